@@ -1,0 +1,40 @@
+"""packedinit: correct torch.nn.init for packed parameters (fused QKV, LSTM gates, MoE experts).
+
+Every fan-dependent ``torch.nn.init`` function reads the shape it is handed; handed a
+packed tensor it computes the wrong fans. packedinit hands each logical block to the
+init function on its own.
+"""
+
+from __future__ import annotations
+
+from .audit import AuditReport, audit
+from .engine import ChunkedInit, InitFn, InitSpec, chunked, chunked_init
+from .errors import PackedInitError
+from .layout import Chunks, Layout, LogicalBlock, logical_blocks
+from .registry import Adapter, annotate, layouts, register, registered, unregister
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # layout and engine
+    "Layout",
+    "LogicalBlock",
+    "Chunks",
+    "InitFn",
+    "InitSpec",
+    "ChunkedInit",
+    "PackedInitError",
+    "chunked",
+    "chunked_init",
+    "logical_blocks",
+    # registry and whole-model init
+    "Adapter",
+    "register",
+    "unregister",
+    "registered",
+    "annotate",
+    "layouts",
+    # audit
+    "AuditReport",
+    "audit",
+]

@@ -1,0 +1,1 @@
+"""Built-in adapters (torch.nn, transformers-style fused layers by class path) and user helpers."""

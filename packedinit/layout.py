@@ -1,0 +1,487 @@
+"""Layout: a pure description of how one tensor's storage holds logical blocks.
+
+A :class:`Layout` never touches data. It validates itself, checks that it fits a
+shape, and maps each logical block to a view of the storage. Everything that
+reads or writes data (the engine, the audit, the distributed code) goes through
+:meth:`Layout.blocks`, :meth:`Layout.storage_view` and :meth:`Layout.to_storage`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TypeAlias, Union
+
+import torch
+from torch import Tensor
+
+from .errors import PackedInitError
+
+__all__ = ["Layout", "LogicalBlock", "Chunks", "logical_blocks", "as_layout"]
+
+#: What ``chunks`` may be: a number of equal blocks, a list of block sizes, or a Layout.
+Chunks: TypeAlias = Union[int, Sequence[int], "Layout"]  # forward reference needs Union
+
+
+def _fmt_shape(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(str(int(s)) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _where(param: str | None) -> str:
+    return f"parameter {param!r} " if param else "tensor "
+
+
+@dataclass(frozen=True)
+class LogicalBlock:
+    """One logical matrix held inside a packed tensor.
+
+    Attributes:
+        index: position in block order (batch index major, then part).
+        batch_index: index into the layout's batch dims (``()`` when none).
+        part: which entry of ``Layout.sizes`` this block is.
+        name: the part's name, when the layout names its parts.
+        shape: the logical shape, ``(out, in, *rest)`` as ``torch.nn.init`` sees it.
+        fan_in: ``torch.nn.init``'s fan_in of ``shape`` (``None`` below 2 dims).
+        fan_out: ``torch.nn.init``'s fan_out of ``shape`` (``None`` below 2 dims).
+    """
+
+    index: int
+    batch_index: tuple[int, ...]
+    part: int
+    name: str | None
+    shape: torch.Size
+    fan_in: int | None
+    fan_out: int | None
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the block."""
+        return math.prod(self.shape)
+
+    @property
+    def label(self) -> str:
+        """A short human name: ``"k"``, ``"part 1"``, ``"[3] gate"``."""
+        base = self.name if self.name is not None else f"part {self.part}"
+        if self.batch_index:
+            return "[" + ", ".join(map(str, self.batch_index)) + "] " + base
+        return base
+
+
+def _fans(shape: Sequence[int]) -> tuple[int | None, int | None]:
+    if len(shape) < 2:
+        return None, None
+    receptive = math.prod(shape[2:])
+    return int(shape[1]) * receptive, int(shape[0]) * receptive
+
+
+class Layout:
+    r"""How one packed dimension of a tensor holds several logical blocks.
+
+    The packed dimension ``dim`` has length ``groups * sum(sizes)``: it is
+    ``groups`` repetitions of the concatenation of parts of sizes
+    ``sizes[0], sizes[1], ...``. Part ``j`` is the union over groups of its
+    slice; its logical matrix has ``groups * sizes[j]`` rows in (group, row)
+    order, which is how a model's forward sees that projection after its own
+    ``view``/``split``. With ``transposed=True`` the storage is ``(in, out)``
+    and every block is presented to init functions as ``(out, in)``. The first
+    ``batch_dims`` dimensions index independent matrices (stacked experts or
+    layers): each index is its own block and fans exclude them.
+
+    A Layout is a frozen, hashable value; it only checks itself. Use
+    :meth:`check` (or any init call) to check it against a shape.
+
+    Args:
+        dim: the packed dimension (negative counts from the end).
+        sizes: the size of each part within one group.
+        groups: how many times the concatenation of parts repeats.
+        transposed: storage is ``(in, out, ...)`` after the batch dims.
+        batch_dims: number of leading dims that index independent blocks.
+        names: optional names of the parts, e.g. ``("q", "k", "v")``.
+
+    Examples:
+        >>> E = 8
+        >>> Layout(dim=0, sizes=[E, E, E], names=("q", "k", "v"))  # MHA in_proj_weight
+        Layout(dim=0, sizes=(8, 8, 8), names=('q', 'k', 'v'))
+        >>> Layout(dim=0, sizes=[4, 4, 4], groups=2)  # GPT-NeoX: q,k,v inside each head
+        Layout(dim=0, sizes=(4, 4, 4), groups=2)
+        >>> Layout(dim=2, sizes=[1, 1], groups=16, transposed=True, batch_dims=1)  # GPT-OSS experts
+        Layout(dim=2, sizes=(1, 1), groups=16, transposed=True, batch_dims=1)
+    """
+
+    __slots__ = ("_batch_dims", "_dim", "_groups", "_hash", "_names", "_sizes", "_transposed")
+
+    def __init__(
+        self,
+        dim: int = 0,
+        sizes: Iterable[int] = (),
+        groups: int = 1,
+        transposed: bool = False,
+        batch_dims: int = 0,
+        names: Iterable[str] | None = None,
+    ) -> None:
+        def bad(msg: str) -> PackedInitError:
+            return PackedInitError(f"Layout(dim={dim!r}, sizes={sizes!r}, groups={groups!r}, ...): {msg}")
+
+        if not _is_int(dim):
+            raise bad("dim must be an int.")
+        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+            raise bad("sizes must be a sequence of positive ints, e.g. sizes=[E, E, E].")
+        size_tuple = tuple(sizes)
+        if not size_tuple:
+            raise bad("sizes is empty; give at least one part size, e.g. sizes=[E, E, E].")
+        for s in size_tuple:
+            if not _is_int(s) or int(s) <= 0:
+                raise bad(f"every size must be a positive int, got {s!r}; drop empty parts from sizes.")
+        if not _is_int(groups) or int(groups) < 1:
+            raise bad(f"groups must be a positive int, got {groups!r}.")
+        if not isinstance(transposed, bool):
+            raise bad(f"transposed must be a bool, got {transposed!r}.")
+        if not _is_int(batch_dims) or int(batch_dims) < 0:
+            raise bad(f"batch_dims must be a non-negative int, got {batch_dims!r}.")
+        name_tuple: tuple[str, ...] | None = None
+        if names is not None:
+            if isinstance(names, str):
+                raise bad(f"names must be a sequence of strings, e.g. ('q', 'k', 'v'), not the string {names!r}.")
+            name_tuple = tuple(names)
+            if len(name_tuple) != len(size_tuple):
+                raise bad(
+                    f"{len(name_tuple)} names {name_tuple!r} for {len(size_tuple)} sizes; give one name per part."
+                )
+            for n in name_tuple:
+                if not isinstance(n, str) or not n:
+                    raise bad(f"every name must be a non-empty string, got {n!r}.")
+            if len(set(name_tuple)) != len(name_tuple):
+                raise bad(f"names {name_tuple!r} repeat; part names must be unique.")
+        self._dim = int(dim)
+        self._sizes = tuple(int(s) for s in size_tuple)
+        self._groups = int(groups)
+        self._transposed = transposed
+        self._batch_dims = int(batch_dims)
+        self._names = name_tuple
+        self._hash = hash(self._key())
+
+    # -- value semantics -------------------------------------------------------------------
+    @property
+    def dim(self) -> int:
+        """The packed dimension, as given (may be negative)."""
+        return self._dim
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Size of each part within one group."""
+        return self._sizes
+
+    @property
+    def groups(self) -> int:
+        """How many times the concatenation of parts repeats along ``dim``."""
+        return self._groups
+
+    @property
+    def transposed(self) -> bool:
+        """Whether storage is ``(in, out, ...)`` (after the batch dims)."""
+        return self._transposed
+
+    @property
+    def batch_dims(self) -> int:
+        """Number of leading dims whose every index is an independent block."""
+        return self._batch_dims
+
+    @property
+    def names(self) -> tuple[str, ...] | None:
+        """Names of the parts, or ``None``."""
+        return self._names
+
+    @property
+    def packed_size(self) -> int:
+        """Length the packed dim must have: ``groups * sum(sizes)``."""
+        return self._groups * sum(self._sizes)
+
+    @property
+    def num_parts(self) -> int:
+        """Number of parts (``len(sizes)``)."""
+        return len(self._sizes)
+
+    def _key(self) -> tuple[object, ...]:
+        return (self._dim, self._sizes, self._groups, self._transposed, self._batch_dims, self._names)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Layout):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if hasattr(self, "_hash"):
+            raise AttributeError("Layout is immutable; build a new one with Layout(...)")
+        object.__setattr__(self, name, value)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (Layout, (self._dim, self._sizes, self._groups, self._transposed, self._batch_dims, self._names))
+
+    def __repr__(self) -> str:
+        parts = [f"dim={self._dim}", f"sizes={self._sizes}"]
+        if self._groups != 1:
+            parts.append(f"groups={self._groups}")
+        if self._transposed:
+            parts.append("transposed=True")
+        if self._batch_dims:
+            parts.append(f"batch_dims={self._batch_dims}")
+        if self._names is not None:
+            parts.append(f"names={self._names}")
+        return "Layout(" + ", ".join(parts) + ")"
+
+    def describe(self) -> str:
+        """One line in words: what this layout says about the storage."""
+        names = self._names or tuple(f"part{j}" for j in range(self.num_parts))
+        cat = " | ".join(f"{n}:{s}" for n, s in zip(names, self._sizes, strict=False))
+        text = f"dim {self._dim} = {self._groups} x [{cat}]" if self._groups != 1 else f"dim {self._dim} = [{cat}]"
+        if self._transposed:
+            text += ", stored (in, out)"
+        if self._batch_dims:
+            text += f", {self._batch_dims} batch dim(s)"
+        return text
+
+    def part_index(self, part: int | str) -> int:
+        """The index of a part given by index or by name."""
+        if isinstance(part, str):
+            if self._names is None or part not in self._names:
+                known = list(self._names) if self._names else "none (this layout has no names)"
+                raise PackedInitError(f"{self!r} has no part named {part!r}; known names: {known}.")
+            return self._names.index(part)
+        if not _is_int(part) or not -self.num_parts <= int(part) < self.num_parts:
+            raise PackedInitError(f"{self!r} has no part {part!r}; parts are 0..{self.num_parts - 1}.")
+        return int(part) % self.num_parts
+
+    # -- binding to a shape ----------------------------------------------------------------
+    def normalized_dim(self, ndim: int) -> int:
+        """``dim`` as a non-negative index for a tensor of ``ndim`` dims (unchecked)."""
+        return self._dim + ndim if self._dim < 0 else self._dim
+
+    def check(self, shape: Sequence[int], *, param: str | None = None) -> None:
+        """Raise :class:`PackedInitError` unless this layout fits ``shape``.
+
+        Args:
+            shape: the stored shape of the tensor.
+            param: the parameter's name, used in the message.
+        """
+        _check(self, tuple(int(s) for s in shape), param)
+
+    def blocks(self, shape: Sequence[int], *, param: str | None = None) -> tuple[LogicalBlock, ...]:
+        """The logical blocks of a tensor of ``shape``, in block order.
+
+        Block order is batch index major (row-major over the batch dims), then part.
+        """
+        return _blocks(self, tuple(int(s) for s in shape), param)
+
+    def storage_view(self, tensor: Tensor, block: LogicalBlock) -> Tensor:
+        """A view (never a copy) of ``block``'s elements in ``tensor``'s storage order.
+
+        Its shape is the stored shape without the batch dims, with the packed dim
+        unflattened to ``(groups, sizes[part])``.
+        """
+        d = self.normalized_dim(tensor.dim())
+        v = tensor
+        for i in block.batch_index:
+            v = v[i]
+        d -= self._batch_dims
+        v = _split_dim(v, d, self._groups, sum(self._sizes))
+        off = sum(self._sizes[: block.part])
+        return v.narrow(d + 1, off, self._sizes[block.part])
+
+    def to_storage(self, logical: Tensor, block: LogicalBlock, ndim: int) -> Tensor:
+        """Map a tensor of ``block.shape`` to the shape of :meth:`storage_view` (a view).
+
+        Args:
+            logical: a tensor of the block's logical shape.
+            block: the block.
+            ndim: number of dims of the stored (packed) tensor.
+        """
+        v = logical.transpose(0, 1) if self._transposed else logical
+        d = self.normalized_dim(ndim) - self._batch_dims
+        return _split_dim(v, d, self._groups, self._sizes[block.part])
+
+    def logical_view(self, tensor: Tensor, block: LogicalBlock) -> Tensor | None:
+        """The block as a view of logical shape, or ``None`` when no view exists."""
+        s = self.storage_view(tensor, block)
+        d = self.normalized_dim(tensor.dim()) - self._batch_dims
+        if self._groups != 1:
+            try:
+                merged = s.view(*s.shape[:d], s.shape[d] * s.shape[d + 1], *s.shape[d + 2 :])
+            except RuntimeError:
+                return None
+        else:
+            merged = s.squeeze(d)
+        return merged.transpose(0, 1) if self._transposed else merged
+
+
+def _split_dim(t: Tensor, d: int, a: int, b: int) -> Tensor:
+    """View dim ``d`` of length ``a * b`` as two dims ``(a, b)`` (always a view)."""
+    shape = list(t.shape)
+    return t.view(*shape[:d], a, b, *shape[d + 1 :])
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@lru_cache(maxsize=4096)
+def _check(layout: Layout, shape: tuple[int, ...], param: str | None) -> None:
+    ndim = len(shape)
+    where = f"{_where(param)}of shape {_fmt_shape(shape)} with {layout!r}"
+    if layout.batch_dims >= ndim:
+        raise PackedInitError(
+            f"{where}: batch_dims={layout.batch_dims} leaves no dims for the matrix; "
+            f"use batch_dims < {ndim}."
+        )
+    if not -ndim <= layout.dim < ndim:
+        raise PackedInitError(
+            f"{where}: dim {layout.dim} is out of range for a {ndim}-D tensor; use a dim in [{-ndim}, {ndim - 1}]."
+        )
+    d = layout.normalized_dim(ndim)
+    if d < layout.batch_dims:
+        raise PackedInitError(
+            f"{where}: the packed dim {d} is one of the {layout.batch_dims} batch dims; "
+            f"pack a dim >= {layout.batch_dims} or lower batch_dims."
+        )
+    if shape[d] != layout.packed_size:
+        g = f"{layout.groups} x " if layout.groups != 1 else ""
+        raise PackedInitError(
+            f"{where}: dim {d} has length {shape[d]} but the layout needs "
+            f"{g}sum{list(layout.sizes)} = {layout.packed_size}; fix sizes/groups or dim."
+        )
+    if layout.transposed and ndim - layout.batch_dims < 2:
+        raise PackedInitError(
+            f"{where}: transposed=True needs at least 2 dims after the batch dims; "
+            f"use transposed=False for a {ndim - layout.batch_dims}-D block."
+        )
+
+
+@lru_cache(maxsize=4096)
+def _blocks(layout: Layout, shape: tuple[int, ...], param: str | None) -> tuple[LogicalBlock, ...]:
+    _check(layout, shape, param)
+    ndim = len(shape)
+    d = layout.normalized_dim(ndim) - layout.batch_dims
+    batch_shape = shape[: layout.batch_dims]
+    inner = list(shape[layout.batch_dims :])
+    out: list[LogicalBlock] = []
+    batch_indices: list[tuple[int, ...]] = [()]
+    for n in batch_shape:
+        batch_indices = [(*b, i) for b in batch_indices for i in range(n)]
+    for b in batch_indices:
+        for j, size in enumerate(layout.sizes):
+            lshape = list(inner)
+            lshape[d] = layout.groups * size
+            if layout.transposed:
+                lshape[0], lshape[1] = lshape[1], lshape[0]
+            fan_in, fan_out = _fans(lshape)
+            out.append(
+                LogicalBlock(
+                    index=len(out),
+                    batch_index=b,
+                    part=j,
+                    name=layout.names[j] if layout.names else None,
+                    shape=torch.Size(lshape),
+                    fan_in=fan_in,
+                    fan_out=fan_out,
+                )
+            )
+    return tuple(out)
+
+
+def as_layout(
+    chunks: Chunks | None,
+    dim: int | None,
+    shape: Sequence[int],
+    *,
+    param: str | None = None,
+) -> Layout | None:
+    """Turn the ``chunks``/``dim`` arguments of the public API into a checked Layout.
+
+    ``chunks=None`` (or ``1``) is the one-block layout of an unpacked tensor.
+    ``None`` is returned when the packed dim has length 0 (nothing to initialise).
+    """
+    shape = tuple(int(s) for s in shape)
+    where = f"{_where(param)}of shape {_fmt_shape(shape)}"
+    if isinstance(chunks, Layout):
+        if dim is not None and dim != chunks.dim:
+            ndim = len(shape)
+            if not (-ndim <= dim < ndim and chunks.normalized_dim(ndim) == dim % ndim):
+                raise PackedInitError(
+                    f"{where}: dim={dim} disagrees with {chunks!r}; pass dim=None with a Layout."
+                )
+        chunks.check(shape, param=param)
+        return chunks
+    ndim = len(shape)
+    if dim is None:
+        dim = 0
+    if not _is_int(dim):
+        raise PackedInitError(f"{where}: dim must be an int, got {dim!r}.")
+    if ndim == 0:
+        raise PackedInitError(f"{where}: a 0-D tensor has no dim to pack; pass a tensor with at least 1 dim.")
+    if not -ndim <= dim < ndim:
+        raise PackedInitError(
+            f"{where}: dim {dim} is out of range for a {ndim}-D tensor; use a dim in [{-ndim}, {ndim - 1}]."
+        )
+    length = shape[dim]
+    if chunks is None:
+        return Layout(dim=dim, sizes=(length,)) if length > 0 else None
+    if _is_int(chunks):
+        n = int(chunks)  # type: ignore[arg-type]  # _is_int checked it
+        if n < 1:
+            raise PackedInitError(f"{where}: chunks={n} must be a positive number of blocks.")
+        if length % n:
+            raise PackedInitError(
+                f"{where}: dim {dim} has length {length}, which {n} equal chunks cannot divide; "
+                f"pass sizes instead, e.g. chunks=[...] summing to {length}."
+            )
+        if length == 0:
+            return None
+        return Layout(dim=dim, sizes=(length // n,) * n)
+    if isinstance(chunks, (str, bytes)) or not isinstance(chunks, Sequence):
+        raise PackedInitError(
+            f"{where}: chunks must be an int, a sequence of sizes or a Layout, got {type(chunks).__name__}."
+        )
+    sizes = list(chunks)
+    for s in sizes:
+        if not _is_int(s) or int(s) <= 0:
+            raise PackedInitError(
+                f"{where}: chunks={sizes} has a non-positive or non-int size {s!r}; sizes must be positive ints."
+            )
+    if not sizes:
+        raise PackedInitError(f"{where}: chunks=[] is empty; give at least one block size.")
+    if sum(sizes) != length:
+        raise PackedInitError(
+            f"{where}: chunks={sizes} sum to {sum(sizes)} but dim {dim} has length {length}; "
+            f"sizes must sum to {length}."
+        )
+    return Layout(dim=dim, sizes=sizes)
+
+
+def logical_blocks(
+    tensor: Tensor | Sequence[int],
+    chunks: Chunks | None = None,
+    dim: int | None = None,
+) -> tuple[LogicalBlock, ...]:
+    """The logical blocks, with their shapes and fans, of a packed tensor.
+
+    This is what every fan-dependent init should see: one entry per logical
+    block, with ``fan_in``/``fan_out`` computed exactly as ``torch.nn.init``
+    computes them for a separate tensor of the block's shape.
+
+    Args:
+        tensor: a tensor (any device, meta included) or a shape.
+        chunks: the number of equal blocks, a list of sizes, or a :class:`Layout`.
+        dim: the packed dim when ``chunks`` is not a Layout (default 0).
+
+    Examples:
+        >>> mha = torch.nn.MultiheadAttention(16, 4)
+        >>> [(b.shape, b.fan_in, b.fan_out) for b in logical_blocks(mha.in_proj_weight, 3)]
+        [(torch.Size([16, 16]), 16, 16), (torch.Size([16, 16]), 16, 16), (torch.Size([16, 16]), 16, 16)]
+    """
+    shape = tuple(tensor.shape) if isinstance(tensor, Tensor) else tuple(int(s) for s in tensor)
+    layout = as_layout(chunks, dim, shape)
+    return () if layout is None else layout.blocks(shape)
