@@ -1,0 +1,342 @@
+"""Adapters for the fused layers of Hugging Face ``transformers`` model families.
+
+Matched by class path (``"transformers.models.gpt2.modeling_gpt2.GPT2Attention"``),
+so importing this module never imports ``transformers``: every number an adapter
+needs is read from the module instance (its attributes, its ``config`` and the
+stored shapes). Each adapter was proven against the family's own forward in
+``tests/test_hf_adapters.py`` (transformers 5.24.0): setting one logical block
+through packedinit's view of the layout changes exactly that projection.
+
+A layout that does not fit the stored shape (a transformers version that packs
+the layer differently) is refused by the registry with a
+:class:`~packedinit.PackedInitError` naming the adapter, the module and the
+parameter, before anything is written; an adapter never guesses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import Tensor, nn
+
+from ..errors import PackedInitError
+from ..layout import Layout
+from ..registry import register
+from .fused import fused_gate_up, fused_qkv
+
+__all__ = ["experts_layouts"]
+
+_M = "transformers.models"
+
+
+def _tensor(module: nn.Module, name: str) -> Tensor | None:
+    """The parameter ``name`` (dotted, relative to ``module``), or ``None``; buffers never count."""
+    *path, leaf = name.split(".")
+    owner: nn.Module | None = module
+    for part in path:
+        owner = owner._modules.get(part) if owner is not None else None
+    return owner._parameters.get(leaf) if owner is not None else None
+
+
+def _fit(module: nn.Module, layouts: Mapping[str, Layout]) -> dict[str, Layout]:
+    """Keep the layouts of the tensors the module has (``bias=False`` drops one).
+
+    The registry checks every kept layout against its parameter's shape and names this
+    adapter when one does not fit (a transformers version that packs the layer differently).
+    """
+    return {name: layout for name, layout in layouts.items() if _tensor(module, name) is not None}
+
+
+def _int(module: nn.Module, *names: str) -> int:
+    """The first of ``names`` found as an int on ``module`` or on ``module.config``."""
+    config = getattr(module, "config", None)
+    for owner in (module, config):
+        for name in names:
+            value = getattr(owner, name, None) if owner is not None else None
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    raise PackedInitError(
+        f"{type(module).__qualname__} has none of {list(names)} (as an int on the module or its config), which "
+        f"this adapter reads to lay out the packed projection; give the layout yourself with "
+        f"packedinit.annotate(module, ...)."
+    )
+
+
+def _qkv(prefix: str, layout: Layout, bias: Layout) -> dict[str, Layout]:
+    return {f"{prefix}.weight": layout, f"{prefix}.bias": bias}
+
+
+# -- GPT-2, OpenAI GPT, ImageGPT, Decision Transformer: Conv1D stores (in, out) ----------------------------
+#
+# ``Conv1D(nf, nx)`` holds ``weight`` of shape ``(nx, nf)`` and computes ``x @ weight``: every Conv1D
+# weight is stored transposed, packed or not, so even the unpacked ones (``c_proj``, ``q_attn``,
+# the MLP's ``c_fc``/``c_proj``) get a one-block transposed Layout; otherwise fan_in and fan_out swap.
+# The family adapters name every Conv1D weight they own: a generic ``Conv1D`` adapter would give
+# ``c_attn.weight`` a second, one-block layout that the registry refuses as a disagreement.
+
+
+def _conv1d(w: Tensor | None) -> Layout | None:
+    return None if w is None or w.dim() != 2 else Layout(dim=1, sizes=[int(w.shape[1])], transposed=True)
+
+
+@register(f"{_M}.gpt2.modeling_gpt2.GPT2Attention")
+@register(f"{_M}.openai.modeling_openai.Attention")
+@register(f"{_M}.imagegpt.modeling_imagegpt.ImageGPTAttention")
+@register(f"{_M}.decision_transformer.modeling_decision_transformer.DecisionTransformerGPT2Attention")
+def _gpt2_attention(module: nn.Module) -> Mapping[str, Layout]:
+    """``c_attn(x).split(self.split_size, dim=2)``: ``[q | k | v]`` (self) or ``[k | v]`` (cross), transposed."""
+    e = _int(module, "split_size")
+    names = ("k", "v") if getattr(module, "is_cross_attention", False) else ("q", "k", "v")
+    sizes = [e] * len(names)
+    out = {
+        "c_attn.weight": Layout(dim=1, sizes=sizes, transposed=True, names=names),
+        "c_attn.bias": Layout(dim=0, sizes=sizes, names=names),
+    }
+    for single in ("q_attn", "c_proj"):
+        layout = _conv1d(_tensor(module, f"{single}.weight"))
+        if layout is not None:
+            out[f"{single}.weight"] = layout
+    return _fit(module, out)
+
+
+@register(f"{_M}.gpt2.modeling_gpt2.GPT2MLP")
+@register(f"{_M}.openai.modeling_openai.MLP")
+@register(f"{_M}.imagegpt.modeling_imagegpt.ImageGPTMLP")
+@register(f"{_M}.decision_transformer.modeling_decision_transformer.DecisionTransformerGPT2MLP")
+def _gpt2_mlp(module: nn.Module) -> Mapping[str, Layout]:
+    """``c_proj(act(c_fc(x)))`` with two Conv1D: each weight one block, stored ``(in, out)``."""
+    out: dict[str, Layout] = {}
+    for single in ("c_fc", "c_proj"):
+        layout = _conv1d(_tensor(module, f"{single}.weight"))
+        if layout is not None:
+            out[f"{single}.weight"] = layout
+    return out
+
+
+# -- per-head interleaved [q k v]: GPT-NeoX, Bloom, Persimmon ----------------------------------------
+
+
+def _per_head(module: nn.Module, heads: int, head_dim: int) -> Mapping[str, Layout]:
+    return _fit(
+        module,
+        _qkv(
+            "query_key_value",
+            fused_qkv(heads, head_dim, interleaved=True),
+            fused_qkv(heads, head_dim, interleaved=True, bias=True),
+        ),
+    )
+
+
+@register(f"{_M}.gpt_neox.modeling_gpt_neox.GPTNeoXAttention")
+@register(f"{_M}.gpt_neox_japanese.modeling_gpt_neox_japanese.GPTNeoXJapaneseAttention")
+def _gpt_neox_attention(module: nn.Module) -> Mapping[str, Layout]:
+    """``qkv.view(..., -1, 3 * head_size).chunk(3, dim=-1)``: per head ``[q k v]``."""
+    return _per_head(module, _int(module, "num_attention_heads"), _int(module, "head_size"))
+
+
+@register(f"{_M}.bloom.modeling_bloom.BloomAttention")
+@register(f"{_M}.persimmon.modeling_persimmon.PersimmonAttention")
+def _bloom_attention(module: nn.Module) -> Mapping[str, Layout]:
+    """``fused_qkv.view(b, s, num_heads, 3, head_dim)``: per head ``[q k v]``."""
+    return _per_head(module, _int(module, "num_heads"), _int(module, "head_dim"))
+
+
+# -- Falcon: three layouts ----------------------------------------------------------------------------
+
+
+@register(f"{_M}.falcon.modeling_falcon.FalconAttention")
+def _falcon_attention(module: nn.Module) -> Mapping[str, Layout]:
+    """``FalconAttention._split_heads``.
+
+    * new decoder architecture: ``view(b, s, -1, nh // nkv + 2, d)``: per kv head ``[q_1..q_g k v]``;
+    * multi-query: ``view(b, s, nh + 2, d)``: ``[q | k | v]`` with one k and one v head;
+    * otherwise: ``view(b, s, nh, 3, d)``: per head ``[q k v]``.
+    """
+    nh, d = _int(module, "num_heads"), _int(module, "head_dim")
+    if getattr(module, "new_decoder_architecture", False):
+        nkv, interleaved = _int(module, "num_kv_heads"), True
+    elif getattr(module, "multi_query", False):
+        nkv, interleaved = 1, False
+    else:
+        nkv, interleaved = nh, True
+    return _fit(
+        module,
+        _qkv(
+            "query_key_value",
+            fused_qkv(nh, d, nkv, interleaved=interleaved),
+            fused_qkv(nh, d, nkv, interleaved=interleaved, bias=True),
+        ),
+    )
+
+
+# -- [q | k | v] with GQA/MQA: Phi-3, DBRX, MPT, GPT-BigCode ----------------------------------------
+
+
+@register(f"{_M}.phi3.modeling_phi3.Phi3Attention")
+def _phi3_attention(module: nn.Module) -> Mapping[str, Layout]:
+    """``qkv[..., :query_pos]``, then ``num_key_value_heads * head_dim`` for k, the rest for v."""
+    nh = _int(module, "num_attention_heads")
+    d, nkv = _int(module, "head_dim"), _int(module, "num_key_value_heads")
+    return _fit(module, _qkv("qkv_proj", fused_qkv(nh, d, nkv), fused_qkv(nh, d, nkv, bias=True)))
+
+
+@register(f"{_M}.phi3.modeling_phi3.Phi3MLP")
+def _phi3_mlp(module: nn.Module) -> Mapping[str, Layout]:
+    """``gate, up_states = gate_up_proj(x).chunk(2, dim=-1)``."""
+    w = _tensor(module, "gate_up_proj.weight")
+    if w is None:
+        return {}
+    i = int(w.shape[0]) // 2
+    return _fit(module, {"gate_up_proj.weight": fused_gate_up(i), "gate_up_proj.bias": fused_gate_up(i, bias=True)})
+
+
+@register(f"{_M}.dbrx.modeling_dbrx.DbrxAttention")
+def _dbrx_attention(module: nn.Module) -> Mapping[str, Layout]:
+    """``Wqkv(x).split([hidden_size, nkv * head_dim, nkv * head_dim], dim=2)``."""
+    nh, d = _int(module, "num_heads"), _int(module, "head_dim")
+    nkv = _int(module, "num_key_value_heads")
+    return _fit(module, _qkv("Wqkv", fused_qkv(nh, d, nkv), fused_qkv(nh, d, nkv, bias=True)))
+
+
+@register(f"{_M}.mpt.modeling_mpt.MptAttention")
+def _mpt_attention(module: nn.Module) -> Mapping[str, Layout]:
+    """``Wqkv(x).chunk(3, dim=2)``: ``[q | k | v]``."""
+    nh, d = _int(module, "n_heads"), _int(module, "head_dim")
+    return _fit(module, _qkv("Wqkv", fused_qkv(nh, d), fused_qkv(nh, d, bias=True)))
+
+
+@register(f"{_M}.gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeAttention")
+def _gpt_bigcode_attention(module: nn.Module) -> Mapping[str, Layout]:
+    """Multi-query: ``split((embed_dim, kv_dim, kv_dim), dim=3)``; multi-head: ``view(.., nh, 3 * d)``.
+
+    Cross-attention gets no layout: its forward splits ``c_attn`` into two
+    ``head_dim`` pieces, which only runs with one head.
+    """
+    if getattr(module, "is_cross_attention", False):
+        return {}
+    nh, d = _int(module, "num_heads"), _int(module, "head_dim")
+    if getattr(module, "multi_query", False):
+        return _fit(module, _qkv("c_attn", fused_qkv(nh, d, 1), fused_qkv(nh, d, 1, bias=True)))
+    return _fit(
+        module, _qkv("c_attn", fused_qkv(nh, d, interleaved=True), fused_qkv(nh, d, interleaved=True, bias=True))
+    )
+
+
+# -- CodeGen: [q v k] inside each of mp_num = 4 model-parallel shards ---------------------------------
+
+
+@register(f"{_M}.codegen.modeling_codegen.CodeGenAttention")
+def _codegen_attention(module: nn.Module) -> Mapping[str, Layout]:
+    """``qkv.view(..., mp_num, 3 * local_dim)``, then ``query, value, key = qkv.split(local_dim, -1)``."""
+    e, mp = _int(module, "embed_dim"), _int(module, "mp_num")
+    if e % mp:
+        raise PackedInitError(f"CodeGenAttention: embed_dim={e} is not a multiple of mp_num={mp}.")
+    local = e // mp
+    return _fit(module, {"qkv_proj.weight": Layout(0, [local] * 3, groups=mp, names=("q", "v", "k"))})
+
+
+# -- Mamba: [x | z] input projection, [dt | B | C] selective projection ---------------------------------
+
+
+@register(f"{_M}.mamba.modeling_mamba.MambaMixer")
+def _mamba_mixer(module: nn.Module) -> Mapping[str, Layout]:
+    """``hidden_states_B_C, gate = in_proj(x).transpose(1, 2).chunk(2, dim=1)`` and
+    ``time_step, B, C = torch.split(x_proj(h), [time_step_rank, ssm_state_size, ssm_state_size], dim=-1)``."""
+    i = _int(module, "intermediate_size")
+    r, n = _int(module, "time_step_rank"), _int(module, "ssm_state_size")
+    xz = Layout(0, [i, i], names=("x", "z"))
+    return _fit(
+        module,
+        {"in_proj.weight": xz, "in_proj.bias": xz, "x_proj.weight": Layout(0, [r, n, n], names=("dt", "B", "C"))},
+    )
+
+
+# -- stacked MoE experts ------------------------------------------------------------------------------
+
+
+def experts_layouts(module: nn.Module) -> Mapping[str, Layout]:
+    """The layouts of a stack of MoE experts stored as 3-D ``(n_experts, ...)`` parameters.
+
+    This is the adapter of the transformers experts classes decorated with
+    ``use_experts_implementation`` (Mixtral, Qwen-MoE, DeepSeek-V3, GPT-OSS, ...). It
+    reads the module's own flags: ``is_transposed`` (each expert computes ``x @ W``, so
+    storage is ``(n, in, out)``), ``is_concatenated`` (``[gate | up]``; otherwise gate and
+    up alternate, ``gate_up[..., ::2]`` being the gate) and ``has_gate`` (``up_proj``
+    only). Every expert's gate, up and down projection is its own block, and fans
+    exclude the expert dim. Stacked biases are left out (see the docs page "Layouts of
+    popular models"). Register it for an experts class packedinit does not list yet::
+
+        packedinit.register("transformers.models.jamba.modeling_jamba.JambaExperts")(experts_layouts)
+
+    Args:
+        module: the experts module (needs ``down_proj``; ``gate_up_proj`` or ``up_proj``).
+
+    Returns:
+        ``{"gate_up_proj" | "up_proj": Layout, "down_proj": Layout}``; empty when the
+        module has no 3-D ``down_proj``.
+
+    Examples:
+        >>> import torch
+        >>> class Experts(nn.Module):  # Mixtral's storage: 4 experts, hidden 8, intermediate 16
+        ...     def __init__(self) -> None:
+        ...         super().__init__()
+        ...         self.gate_up_proj = nn.Parameter(torch.empty(4, 2 * 16, 8))
+        ...         self.down_proj = nn.Parameter(torch.empty(4, 8, 16))
+        >>> for name, layout in experts_layouts(Experts()).items():
+        ...     print(name, layout)
+        down_proj Layout(dim=1, sizes=(8,), batch_dims=1)
+        gate_up_proj Layout(dim=1, sizes=(16, 16), batch_dims=1, names=('gate', 'up'))
+    """
+    down = _tensor(module, "down_proj")
+    if down is None or down.dim() != 3:
+        return {}
+    transposed = bool(getattr(module, "is_transposed", False))
+    interleaved = not bool(getattr(module, "is_concatenated", True))
+    hidden, inter = (int(down.shape[2]), int(down.shape[1])) if transposed else (int(down.shape[1]), int(down.shape[2]))
+    out_dim = 2 if transposed else 1
+    # The biases (n_experts, out) are left out: whole-model init skips 1-D parameters by their stored
+    # ndim, and a (n, out) bias with batch_dims=1 would hand 1-D blocks to fan-based init functions.
+    # Give them with fused_gate_up(I, bias=True, stacked=True) to init their gate/up halves by name.
+    layouts: dict[str, Layout] = {"down_proj": Layout(dim=out_dim, sizes=[hidden], transposed=transposed, batch_dims=1)}
+    if getattr(module, "has_gate", True):
+        layouts["gate_up_proj"] = fused_gate_up(inter, interleaved=interleaved, transposed=transposed, stacked=True)
+    else:
+        layouts["up_proj"] = Layout(dim=out_dim, sizes=[inter], transposed=transposed, batch_dims=1)
+    return _fit(module, layouts)
+
+
+#: Experts classes whose forward was checked against ``experts_layouts`` (tests/test_hf_adapters.py).
+_EXPERTS = (
+    "mixtral.modeling_mixtral.MixtralExperts",
+    "qwen2_moe.modeling_qwen2_moe.Qwen2MoeExperts",
+    "qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts",
+    "olmoe.modeling_olmoe.OlmoeExperts",
+    "gpt_oss.modeling_gpt_oss.GptOssExperts",
+    "phimoe.modeling_phimoe.PhimoeExperts",
+    "glm4_moe.modeling_glm4_moe.Glm4MoeExperts",
+    "granitemoe.modeling_granitemoe.GraniteMoeExperts",
+    "deepseek_v3.modeling_deepseek_v3.DeepseekV3Experts",
+    "minimax.modeling_minimax.MiniMaxExperts",
+    "ernie4_5_moe.modeling_ernie4_5_moe.Ernie4_5_MoeExperts",
+)
+for _path in _EXPERTS:
+    register(f"{_M}.{_path}")(experts_layouts)
+
+
+@register(f"{_M}.dbrx.modeling_dbrx.DbrxExpertGLU")
+def _dbrx_experts(module: nn.Module) -> Mapping[str, Layout]:
+    """``w1``, ``v1``, ``w2`` are ``(n_experts * ffn, hidden)``, viewed ``(-1, ffn, hidden)[expert]``.
+
+    ``w1`` (gate) and ``v1`` (up) are used as ``x @ w.T``: per expert an ``(ffn, hidden)``
+    block. ``w2`` is used as ``h @ w2``: per expert an ``(ffn, hidden)`` block stored
+    ``(in, out)``, i.e. transposed.
+    """
+    ffn, n = _int(module, "ffn_hidden_size"), _int(module, "moe_num_experts")
+    return _fit(
+        module,
+        {
+            "w1": Layout(dim=0, sizes=[ffn] * n),
+            "v1": Layout(dim=0, sizes=[ffn] * n),
+            "w2": Layout(dim=0, sizes=[ffn] * n, transposed=True),
+        },
+    )
