@@ -7,11 +7,14 @@ init function on its own.
 
 from __future__ import annotations
 
-from .audit import AuditReport, audit
+from .adapters.fused import fused_gate_up, fused_qkv
+from .adapters.torch_nn import init_recurrent_, reset_parameters
+from .audit import AuditReport, BlockAudit, ParamAudit, Reference, audit
 from .engine import ChunkedInit, InitFn, InitSpec, chunked, chunked_init
 from .errors import PackedInitError
 from .layout import Chunks, Layout, LogicalBlock, logical_blocks
 from .registry import Adapter, annotate, layouts, register, registered, unregister
+from .walk import init_model
 
 __version__ = "0.1.0"
 
@@ -34,7 +37,15 @@ __all__ = [
     "registered",
     "annotate",
     "layouts",
+    "fused_qkv",
+    "fused_gate_up",
+    "init_model",
+    "reset_parameters",
+    "init_recurrent_",
     # audit
-    "AuditReport",
     "audit",
+    "AuditReport",
+    "ParamAudit",
+    "BlockAudit",
+    "Reference",
 ]

@@ -884,9 +884,11 @@ def _expert_reference(
     layouts = packedinit.layouts(model)
     inter = layouts[f"{prefix}.gate_up_proj"].packed_size // 2
     interleaved = layouts[f"{prefix}.gate_up_proj"].groups > 1
-    # Biases (GPT-OSS) are not claimed by the adapter (see hf.experts_layouts); their layout is the helper's.
-    layouts[f"{prefix}.gate_up_proj_bias"] = fused_gate_up(inter, interleaved=interleaved, bias=True, stacked=True)
-    layouts[f"{prefix}.down_proj_bias"] = Layout(1, [x.shape[-1]], batch_dims=1)
+    if getattr(experts, "gate_up_proj_bias", None) is not None:  # GPT-OSS: the adapter claims the stacked biases
+        assert layouts[f"{prefix}.gate_up_proj_bias"] == fused_gate_up(
+            inter, interleaved=interleaved, bias=True, stacked=True
+        )
+        assert layouts[f"{prefix}.down_proj_bias"] == Layout(1, [x.shape[-1]], batch_dims=1)
 
     def blk(pname: str, part: str | int, e: int) -> Tensor | None:
         p = getattr(experts, pname, None)
@@ -936,8 +938,11 @@ def test_experts_blocks_are_each_experts_projections(family: str) -> None:
 def test_chunked_xavier_on_moe_model(family: str) -> None:
     model = EXPERTS[family][0]()
     layouts = packedinit.layouts(model)
+    biases = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("_proj_bias")}
     torch.manual_seed(4)
     packedinit.chunked(xavier_uniform_)(model)
+    for n, before in biases.items():  # stacked (n_experts, out) biases hold 1-D blocks: skipped like any bias
+        assert torch.equal(model.get_parameter(n), before), n
     prefix, _ = _experts_of(model)
     n = model.get_parameter(f"{prefix}.gate_up_proj").shape[0]
     assert _check_xavier(model, {k: v for k, v in layouts.items() if k.startswith(prefix)}) >= 3 * n

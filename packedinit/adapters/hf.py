@@ -263,8 +263,9 @@ def experts_layouts(module: nn.Module) -> Mapping[str, Layout]:
     storage is ``(n, in, out)``), ``is_concatenated`` (``[gate | up]``; otherwise gate and
     up alternate, ``gate_up[..., ::2]`` being the gate) and ``has_gate`` (``up_proj``
     only). Every expert's gate, up and down projection is its own block, and fans
-    exclude the expert dim. Stacked biases are left out (see the docs page "Layouts of
-    popular models"). Register it for an experts class packedinit does not list yet::
+    exclude the expert dim. Stacked biases ``(n_experts, out)`` get one 1-D block per
+    expert and part (whole-model init skips them, as it skips every bias). Register it for
+    an experts class packedinit does not list yet::
 
         packedinit.register("transformers.models.jamba.modeling_jamba.JambaExperts")(experts_layouts)
 
@@ -294,14 +295,21 @@ def experts_layouts(module: nn.Module) -> Mapping[str, Layout]:
     interleaved = not bool(getattr(module, "is_concatenated", True))
     hidden, inter = (int(down.shape[2]), int(down.shape[1])) if transposed else (int(down.shape[1]), int(down.shape[2]))
     out_dim = 2 if transposed else 1
-    # The biases (n_experts, out) are left out: whole-model init skips 1-D parameters by their stored
-    # ndim, and a (n, out) bias with batch_dims=1 would hand 1-D blocks to fan-based init functions.
-    # Give them with fused_gate_up(I, bias=True, stacked=True) to init their gate/up halves by name.
     layouts: dict[str, Layout] = {"down_proj": Layout(dim=out_dim, sizes=[hidden], transposed=transposed, batch_dims=1)}
     if getattr(module, "has_gate", True):
         layouts["gate_up_proj"] = fused_gate_up(inter, interleaved=interleaved, transposed=transposed, stacked=True)
     else:
         layouts["up_proj"] = Layout(dim=out_dim, sizes=[inter], transposed=transposed, batch_dims=1)
+    # Stacked biases (n_experts, out) (GPT-OSS): one 1-D block per expert and part. Whole-model
+    # init counts dims after the batch dims, so it skips them like any bias.
+    for name, layout in (
+        ("gate_up_proj_bias", fused_gate_up(inter, interleaved=interleaved, bias=True, stacked=True)),
+        ("up_proj_bias", Layout(dim=1, sizes=[inter], batch_dims=1)),
+        ("down_proj_bias", Layout(dim=1, sizes=[hidden], batch_dims=1)),
+    ):
+        b = _tensor(module, name)
+        if b is not None and b.dim() == 2:
+            layouts[name] = layout
     return _fit(module, layouts)
 
 
