@@ -95,7 +95,11 @@ def _plan_steps(
             continue
         tp = type(p)
         if tp is not nn.Parameter and tp is not Tensor and _is_dtensor(p):
-            steps.append((name, p, layout, None, False))  # the distributed path validates and writes it
+            from .distributed import plan_dtensor
+
+            # every check now, so that the whole model stays all-or-nothing; written by the distributed path
+            plan_dtensor(p, layout, None, init_fn, args, kwargs, param=name)
+            steps.append((name, p, layout, None, False))
         elif layout is not None:
             plan = make_plan(p, layout, None, init_fn, args, kwargs, param=name)
             if plan is not None and not p.is_meta and p.numel():

@@ -255,7 +255,24 @@ def _reset_recurrent(m: nn.RNNBase | nn.RNNCellBase, generator: torch.Generator 
 def _reset_embedding(m: nn.Embedding, generator: torch.Generator | None) -> None:
     kw: dict[str, Any] = {"generator": generator} if generator is not None else {}
     _run(m.weight, None, None, normal_, (), kw, param="weight")
-    m._fill_padding_idx_with_zero()
+    _with_global_params(m, m._fill_padding_idx_with_zero)
+
+
+def _with_global_params(m: nn.Module, step: Callable[[], None]) -> None:
+    """Run a module's own init code; on DTensor parameters, on their global values.
+
+    Torch's own init code writes through indexing (``weight[padding_idx].fill_(0)``) or
+    draws per rank: on a sharded DTensor the first writes nothing and the second depends
+    on the world size. Inside ``global_params`` every rank sees the global tensors and
+    keeps its own shard of what was written.
+    """
+    if any(_is_dtensor(t) for t in _own_tensors(m)):
+        from ..distributed import global_params
+
+        with global_params(m):
+            step()
+    else:
+        step()
 
 
 #: Torch defaults packedinit replays itself (bit-identical), so that ``generator=`` and
@@ -344,7 +361,7 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
             if callable(reset):
                 if gen is not None:
                     _check_routable(m, gen)
-                plan.append((reset, gen is not None))
+                plan.append((functools.partial(_with_global_params, m, reset), gen is not None))
     routed = _GeneratorAsDefault(gen) if gen is not None else None
     for step, route in plan:
         if route and routed is not None:
