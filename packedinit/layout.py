@@ -8,11 +8,13 @@ reads or writes data (the engine, the audit, the distributed code) goes through
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TypeAlias, Union
+from typing import SupportsIndex, TypeAlias, TypeGuard, Union
 
 import torch
 from torch import Tensor
@@ -55,7 +57,7 @@ class LogicalBlock:
     fan_in: int | None
     fan_out: int | None
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         """Number of elements of the block."""
         return math.prod(self.shape)
@@ -89,8 +91,10 @@ class Layout:
     ``batch_dims`` dimensions index independent matrices (stacked experts or
     layers): each index is its own block and fans exclude them.
 
-    A Layout is a frozen, hashable value; it only checks itself. Use
-    :meth:`check` (or any init call) to check it against a shape.
+    A Layout is a frozen, hashable, picklable value; it only checks itself. Use
+    :meth:`check` (or any init call) to check it against a shape, :meth:`blocks`
+    for the logical blocks and their fans of a shape, and :meth:`describe` for the
+    layout in words (``repr`` is the constructor call).
 
     Args:
         dim: the packed dimension (negative counts from the end).
@@ -132,13 +136,13 @@ class Layout:
         if not size_tuple:
             raise bad("sizes is empty; give at least one part size, e.g. sizes=[E, E, E].")
         for s in size_tuple:
-            if not _is_int(s) or int(s) <= 0:
+            if not _is_int(s) or operator.index(s) <= 0:
                 raise bad(f"every size must be a positive int, got {s!r}; drop empty parts from sizes.")
-        if not _is_int(groups) or int(groups) < 1:
+        if not _is_int(groups) or operator.index(groups) < 1:
             raise bad(f"groups must be a positive int, got {groups!r}.")
         if not isinstance(transposed, bool):
             raise bad(f"transposed must be a bool, got {transposed!r}.")
-        if not _is_int(batch_dims) or int(batch_dims) < 0:
+        if not _is_int(batch_dims) or operator.index(batch_dims) < 0:
             raise bad(f"batch_dims must be a non-negative int, got {batch_dims!r}.")
         name_tuple: tuple[str, ...] | None = None
         if names is not None:
@@ -154,11 +158,11 @@ class Layout:
                     raise bad(f"every name must be a non-empty string, got {n!r}.")
             if len(set(name_tuple)) != len(name_tuple):
                 raise bad(f"names {name_tuple!r} repeat; part names must be unique.")
-        self._dim = int(dim)
-        self._sizes = tuple(int(s) for s in size_tuple)
-        self._groups = int(groups)
+        self._dim = operator.index(dim)
+        self._sizes = tuple(operator.index(s) for s in size_tuple)
+        self._groups = operator.index(groups)
         self._transposed = transposed
-        self._batch_dims = int(batch_dims)
+        self._batch_dims = operator.index(batch_dims)
         self._names = name_tuple
         self._hash = hash(self._key())
 
@@ -219,6 +223,15 @@ class Layout:
             raise AttributeError("Layout is immutable; build a new one with Layout(...)")
         object.__setattr__(self, name, value)
 
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("Layout is immutable; build a new one with Layout(...)")
+
+    def __copy__(self) -> Layout:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Layout:
+        return self
+
     def __reduce__(self) -> tuple[object, ...]:
         return (Layout, (self._dim, self._sizes, self._groups, self._transposed, self._batch_dims, self._names))
 
@@ -235,14 +248,37 @@ class Layout:
         return "Layout(" + ", ".join(parts) + ")"
 
     def describe(self) -> str:
-        """One line in words: what this layout says about the storage."""
+        """The layout in words: which blocks the packed dim holds and how init functions see them.
+
+        Examples:
+            >>> print(Layout(dim=0, sizes=[8, 8, 8], names=("q", "k", "v")).describe())
+            dim 0 = [q:8 | k:8 | v:8]: 3 blocks (q, k, v), each presented to init functions on its own
+            >>> print(Layout(dim=2, sizes=[1, 1], groups=16, transposed=True, batch_dims=1).describe())
+            dim 2 = 16 x [part0:1 | part1:1]: 2 blocks interleaved in 16 groups; block j is the union of its
+            16 slices (16*size rows, in (group, row) order), stored (in, out) and presented as (out, in);
+            each index of dim 0 (a batch dim) holds its own set of blocks
+        """
         names = self._names or tuple(f"part{j}" for j in range(self.num_parts))
         cat = " | ".join(f"{n}:{s}" for n, s in zip(names, self._sizes, strict=False))
-        text = f"dim {self._dim} = {self._groups} x [{cat}]" if self._groups != 1 else f"dim {self._dim} = [{cat}]"
+        n = self.num_parts
+        what = f"{n} block" + ("s" if n != 1 else "")
+        if self._names:
+            what += " (" + ", ".join(self._names) + ")"
+        if self._groups != 1:
+            text = (
+                f"dim {self._dim} = {self._groups} x [{cat}]: {what} interleaved in {self._groups} groups; "
+                f"block j is the union of its {self._groups} slices ({self._groups}*size rows, in (group, row) order)"
+            )
+        else:
+            text = f"dim {self._dim} = [{cat}]: {what}"
         if self._transposed:
-            text += ", stored (in, out)"
+            text += ", stored (in, out) and presented as (out, in)"
         if self._batch_dims:
-            text += f", {self._batch_dims} batch dim(s)"
+            k = self._batch_dims
+            dims = "dim 0 (a batch dim)" if k == 1 else f"dims 0..{k - 1} (batch dims)"
+            text += f"; each index of {dims} holds its own set of blocks"
+        else:
+            text += ", each presented to init functions on its own"
         return text
 
     def part_index(self, part: int | str) -> int:
@@ -324,18 +360,30 @@ def _split_dim(t: Tensor, d: int, a: int, b: int) -> Tensor:
     return t.view(*shape[:d], a, b, *shape[d + 1 :])
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _is_int(x: object) -> TypeGuard[SupportsIndex]:
+    """An integer (Python, numpy or 0-d integer tensor), but not a bool."""
+    if isinstance(x, int):
+        return not isinstance(x, bool)
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0 and not x.dtype.is_floating_point and not x.dtype.is_complex and x.dtype != torch.bool
+    if type(x).__name__ in ("bool_", "bool"):  # numpy.bool_ has __index__ in old numpy
+        return False
+    try:
+        operator.index(x)  # type: ignore[arg-type]  # probing: anything with __index__ is an integer
+    except TypeError:
+        return False
+    return True
 
 
 @lru_cache(maxsize=4096)
 def _check(layout: Layout, shape: tuple[int, ...], param: str | None) -> None:
     ndim = len(shape)
     where = f"{_where(param)}of shape {_fmt_shape(shape)} with {layout!r}"
+    if ndim == 0:
+        raise PackedInitError(f"{where}: a 0-D tensor has no dim to pack; pass a tensor with at least 1 dim.")
     if layout.batch_dims >= ndim:
         raise PackedInitError(
-            f"{where}: batch_dims={layout.batch_dims} leaves no dims for the matrix; "
-            f"use batch_dims < {ndim}."
+            f"{where}: batch_dims={layout.batch_dims} leaves no dims for the matrix; use batch_dims < {ndim}."
         )
     if not -ndim <= layout.dim < ndim:
         raise PackedInitError(
@@ -403,62 +451,82 @@ def as_layout(
 
     ``chunks=None`` (or ``1``) is the one-block layout of an unpacked tensor.
     ``None`` is returned when the packed dim has length 0 (nothing to initialise).
+    Results are cached for hashable arguments (plain ints, tuples/lists of ints, Layouts).
     """
-    shape = tuple(int(s) for s in shape)
+    shape = tuple(shape)
+    if type(chunks) is list:
+        chunks = tuple(chunks)
+    cacheable = (
+        (chunks is None or type(chunks) is int or type(chunks) is Layout or type(chunks) is tuple)
+        and (dim is None or type(dim) is int)
+        and all(type(s) is int for s in shape)
+        and (type(chunks) is not tuple or all(type(s) is int for s in chunks))
+    )
+    if cacheable:
+        return _as_layout_cached(chunks, dim, shape, param)
+    return _as_layout(chunks, dim, tuple(operator.index(s) for s in shape), param)
+
+
+def _as_layout(
+    chunks: Chunks | None,
+    dim: int | None,
+    shape: tuple[int, ...],
+    param: str | None,
+) -> Layout | None:
     where = f"{_where(param)}of shape {_fmt_shape(shape)}"
+    ndim = len(shape)
+    if dim is not None and not _is_int(dim):
+        raise PackedInitError(f"{where}: dim must be an int, got {dim!r}.")
     if isinstance(chunks, Layout):
-        if dim is not None and dim != chunks.dim:
-            ndim = len(shape)
-            if not (-ndim <= dim < ndim and chunks.normalized_dim(ndim) == dim % ndim):
-                raise PackedInitError(
-                    f"{where}: dim={dim} disagrees with {chunks!r}; pass dim=None with a Layout."
-                )
+        if dim is not None and operator.index(dim) != chunks.dim:
+            d = operator.index(dim)
+            if not (-ndim <= d < ndim and chunks.normalized_dim(ndim) == d % ndim):
+                raise PackedInitError(f"{where}: dim={d} disagrees with {chunks!r}; pass dim=None with a Layout.")
         chunks.check(shape, param=param)
         return chunks
-    ndim = len(shape)
-    if dim is None:
-        dim = 0
-    if not _is_int(dim):
-        raise PackedInitError(f"{where}: dim must be an int, got {dim!r}.")
+    d = 0 if dim is None else operator.index(dim)
     if ndim == 0:
         raise PackedInitError(f"{where}: a 0-D tensor has no dim to pack; pass a tensor with at least 1 dim.")
-    if not -ndim <= dim < ndim:
+    if not -ndim <= d < ndim:
         raise PackedInitError(
-            f"{where}: dim {dim} is out of range for a {ndim}-D tensor; use a dim in [{-ndim}, {ndim - 1}]."
+            f"{where}: dim {d} is out of range for a {ndim}-D tensor; use a dim in [{-ndim}, {ndim - 1}]."
         )
-    length = shape[dim]
+    length = shape[d]
     if chunks is None:
-        return Layout(dim=dim, sizes=(length,)) if length > 0 else None
+        return Layout(dim=d, sizes=(length,)) if length > 0 else None
     if _is_int(chunks):
-        n = int(chunks)  # type: ignore[arg-type]  # _is_int checked it
+        n = operator.index(chunks)
         if n < 1:
             raise PackedInitError(f"{where}: chunks={n} must be a positive number of blocks.")
         if length % n:
             raise PackedInitError(
-                f"{where}: dim {dim} has length {length}, which {n} equal chunks cannot divide; "
+                f"{where}: dim {d} has length {length}, which {n} equal chunks cannot divide; "
                 f"pass sizes instead, e.g. chunks=[...] summing to {length}."
             )
         if length == 0:
             return None
-        return Layout(dim=dim, sizes=(length // n,) * n)
+        return Layout(dim=d, sizes=(length // n,) * n)
     if isinstance(chunks, (str, bytes)) or not isinstance(chunks, Sequence):
         raise PackedInitError(
             f"{where}: chunks must be an int, a sequence of sizes or a Layout, got {type(chunks).__name__}."
         )
     sizes = list(chunks)
     for s in sizes:
-        if not _is_int(s) or int(s) <= 0:
+        if not _is_int(s) or operator.index(s) <= 0:
             raise PackedInitError(
                 f"{where}: chunks={sizes} has a non-positive or non-int size {s!r}; sizes must be positive ints."
             )
     if not sizes:
         raise PackedInitError(f"{where}: chunks=[] is empty; give at least one block size.")
-    if sum(sizes) != length:
+    total = sum(operator.index(s) for s in sizes)
+    if total != length:
         raise PackedInitError(
-            f"{where}: chunks={sizes} sum to {sum(sizes)} but dim {dim} has length {length}; "
-            f"sizes must sum to {length}."
+            f"{where}: chunks={sizes} sum to {total} but dim {d} has length {length}; sizes must sum to {length}."
         )
-    return Layout(dim=dim, sizes=sizes)
+    return Layout(dim=d, sizes=sizes)
+
+
+_as_layout_cached = lru_cache(maxsize=4096)(_as_layout)
 
 
 def logical_blocks(
