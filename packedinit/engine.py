@@ -924,7 +924,7 @@ def _run(
     if isinstance(tensor, Tensor) and _is_dtensor(tensor):
         from .distributed import init_dtensor
 
-        init_dtensor(tensor, chunks, dim, init_fn, args, kwargs, param=param)
+        init_dtensor(tensor, chunks, dim, init_fn, args, kwargs, param=param, scratch=scratch)
         return
     plan = make_plan(tensor, chunks, dim, init_fn, args, kwargs, param=param)
     if plan is None or tensor.is_meta or tensor.numel() == 0:
