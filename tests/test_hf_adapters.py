@@ -330,6 +330,13 @@ class QKV:
 
 _sdpa: Probe = qkv_sdpa
 _E, _D = 32, 8
+#: The other Conv1D weights of a GPT-2-style block: one transposed block each.
+_CONV1D_EXTRA = {
+    "h.0.attn.c_proj.weight": Layout(1, [_E], transposed=True),
+    "h.0.mlp.c_fc.weight": Layout(1, [4 * _E], transposed=True),
+    "h.0.mlp.c_proj.weight": Layout(1, [_E], transposed=True),
+}
+
 CASES: dict[str, QKV] = {
     "gpt2": QKV(
         gpt2,
@@ -340,11 +347,7 @@ CASES: dict[str, QKV] = {
         _sdpa,
         "query_states, key_states, value_states = self.c_attn(hidden_states).split(self.split_size, dim=2)",
         encoder=False,
-        extra={
-            "h.0.attn.c_proj.weight": Layout(1, [_E], transposed=True),
-            "h.0.mlp.c_fc.weight": Layout(1, [4 * _E], transposed=True),
-            "h.0.mlp.c_proj.weight": Layout(1, [_E], transposed=True),
-        },
+        extra=_CONV1D_EXTRA,
     ),
     "gpt2-cross": QKV(
         gpt2,
@@ -366,11 +369,7 @@ CASES: dict[str, QKV] = {
         _D,
         qkv_matmul,
         "query, key, value = x.split(self.split_size, dim=2)",
-        extra={
-            "h.0.attn.c_proj.weight": Layout(1, [_E], transposed=True),
-            "h.0.mlp.c_fc.weight": Layout(1, [4 * _E], transposed=True),
-            "h.0.mlp.c_proj.weight": Layout(1, [_E], transposed=True),
-        },
+        extra=_CONV1D_EXTRA,
     ),
     "imagegpt": QKV(
         imagegpt,
@@ -380,11 +379,7 @@ CASES: dict[str, QKV] = {
         _D,
         qkv_matmul,
         "query, key, value = self.c_attn(current_states).split(self.split_size, dim=2)",
-        extra={
-            "h.0.attn.c_proj.weight": Layout(1, [_E], transposed=True),
-            "h.0.mlp.c_fc.weight": Layout(1, [4 * _E], transposed=True),
-            "h.0.mlp.c_proj.weight": Layout(1, [_E], transposed=True),
-        },
+        extra=_CONV1D_EXTRA,
     ),
     "decision-transformer": QKV(
         decision_transformer,
@@ -394,11 +389,7 @@ CASES: dict[str, QKV] = {
         _D,
         _sdpa,
         "query_states, key_states, value_states = self.c_attn(hidden_states).split(self.split_size, dim=2)",
-        extra={
-            "h.0.attn.c_proj.weight": Layout(1, [_E], transposed=True),
-            "h.0.mlp.c_fc.weight": Layout(1, [4 * _E], transposed=True),
-            "h.0.mlp.c_proj.weight": Layout(1, [_E], transposed=True),
-        },
+        extra=_CONV1D_EXTRA,
     ),
     "gpt-neox": QKV(
         gpt_neox,
