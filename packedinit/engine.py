@@ -58,6 +58,12 @@ _DETERMINISTIC_FNS: frozenset[Callable[..., Tensor]] = frozenset(
     {_init.constant_, _init.ones_, _init.zeros_, _init.eye_, _init.dirac_}
 )
 _TORCH_FNS = _RANDOM_FNS | _DETERMINISTIC_FNS
+#: Functions whose only draw is one ``uniform_`` and whose result only needs fans of the shape:
+#: on CPU ``uniform_`` fills in memory order, so on a strided view whose memory order is its
+#: logical (row-major) order it draws exactly what a contiguous tensor of that shape draws.
+_UNIFORM_FNS: frozenset[Callable[..., Tensor]] = frozenset(
+    {_init.uniform_, _init.xavier_uniform_, _init.kaiming_uniform_, _init.constant_, _init.ones_, _init.zeros_}
+)
 #: Random torch.nn.init functions that fail on complex tensors (and may write before failing).
 _REAL_ONLY: frozenset[Callable[..., Tensor]] = frozenset({_init.trunc_normal_, _init.orthogonal_})
 #: torch.nn.init functions the lean path may hand ``generator=`` to unchanged.
@@ -573,11 +579,11 @@ class _Scratch:
     __slots__ = ("_bufs",)
 
     def __init__(self) -> None:
-        self._bufs: dict[tuple[torch.dtype, torch.device, bool], Tensor] = {}
+        self._bufs: dict[tuple[torch.dtype, torch.device, bool, int], Tensor] = {}
 
-    def flat(self, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """The shared flat buffer, at least ``n`` elements long."""
-        key = (dtype, device, torch.is_inference_mode_enabled())
+    def flat(self, n: int, dtype: torch.dtype, device: torch.device, slot: int = 0) -> Tensor:
+        """The shared flat buffer number ``slot``, at least ``n`` elements long."""
+        key = (dtype, device, torch.is_inference_mode_enabled(), slot)
         buf = self._bufs.get(key)
         if buf is None or buf.numel() < n:
             buf = torch.empty(n, dtype=dtype, device=device)
@@ -612,15 +618,45 @@ class _Where(NamedTuple):
     """Where one block lives in a tensor of given shape and strides (all as_strided arguments).
 
     ``inplace``: the block's logical view is contiguous: ``as_strided(block.shape, *view)``.
-    Otherwise ``storage`` is (shape, stride, offset) of the block's storage view and
-    ``from_logical`` the (shape, stride) that views a contiguous logical tensor the same way.
+    ``ordered``: the logical view exists, is not contiguous, but its memory order is its
+    row-major order (a dim-1 split): ``view`` holds it too. Otherwise ``storage`` is (shape,
+    stride, offset) of the block's storage view and ``from_logical`` the (shape, stride)
+    that views a contiguous logical tensor the same way.
     """
 
     inplace: bool
+    ordered: bool
     view: tuple[tuple[int, ...], int]
     contiguous: tuple[int, ...]
     storage: tuple[tuple[int, ...], tuple[int, ...], int]
     from_logical: tuple[tuple[int, ...], tuple[int, ...]]
+
+
+#: Logical rows per tile of a transposing copy: a (32, in) slab stays in cache while its columns
+#: are written (measured on CPU at E=4096: 36 ms against 165 ms for one strided copy_).
+_TILE = 32
+
+
+def _copy_transposed(dst: Tensor, logical: Tensor) -> None:
+    """``dst.copy_(logical.t())`` for a strided ``(in, out)`` destination, in cache-sized tiles."""
+    rows = logical.shape[0]
+    if rows <= _TILE:
+        dst.copy_(logical.t())
+        return
+    for r in range(0, rows, _TILE):
+        dst[:, r : r + _TILE].copy_(logical[r : r + _TILE].t())
+
+
+def _row_major(t: Tensor) -> bool:
+    """Whether walking ``t`` in memory order visits its elements in row-major order (no overlap)."""
+    extent = 1
+    for size, stride in reversed(list(zip(t.shape, t.stride(), strict=True))):
+        if size == 1:
+            continue
+        if stride < extent:
+            return False
+        extent = stride * size
+    return True
 
 
 @functools.lru_cache(maxsize=4096)
@@ -632,12 +668,14 @@ def _geometry(layout: Layout, shape: tuple[int, ...], stride: tuple[int, ...]) -
         logical = torch.empty(block.shape, device="meta")
         lv = layout.logical_view(meta, block)
         inplace = lv is not None and lv.is_contiguous()
+        ordered = lv is not None and not inplace and not layout.transposed and _row_major(lv)
         sv = layout.storage_view(meta, block)
         ts = layout.to_storage(logical, block, len(shape))
         out.append(
             _Where(
                 inplace,
-                (tuple(lv.stride()), int(lv.storage_offset())) if lv is not None and inplace else ((), 0),
+                ordered,
+                (tuple(lv.stride()), int(lv.storage_offset())) if lv is not None and (inplace or ordered) else ((), 0),
                 tuple(logical.stride()),
                 (tuple(sv.shape), tuple(sv.stride()), int(sv.storage_offset())),
                 (tuple(ts.shape), tuple(ts.stride())),
@@ -659,6 +697,8 @@ def execute(plan: Plan, tensor: Tensor, scratch: _Scratch | None = None) -> None
     if not todo:
         return
     low = dtype in _LOW_PRECISION
+    cpu = tensor.device.type == "cpu"
+    tiled = layout.transposed and layout.normalized_dim(ndim) - layout.batch_dims == 1
     plain = type(tensor) in _PLAIN_TYPES
     geometry = _geometry(layout, tuple(tensor.shape), tuple(tensor.stride())) if plain else None
     offset = tensor.storage_offset()
@@ -676,7 +716,7 @@ def execute(plan: Plan, tensor: Tensor, scratch: _Scratch | None = None) -> None
             try:
                 if geometry is not None:
                     g = geometry[block.index]
-                    if g.inplace and cdt == dtype:
+                    if cdt == dtype and (g.inplace or (g.ordered and cpu and _hashable_in(_base(fn), _UNIFORM_FNS))):
                         lv = tensor.as_strided(block.shape, g.view[0], offset + g.view[1])
                 else:
                     lv = layout.logical_view(tensor, block) if cdt == dtype else None
@@ -689,8 +729,14 @@ def execute(plan: Plan, tensor: Tensor, scratch: _Scratch | None = None) -> None
                     buf = scratch.flat(block.numel, cdt, tensor.device).as_strided(block.shape, g.contiguous)
                     res = plan.call(fn, buf)
                     sshape, sstride, soff = g.storage
-                    src = res.as_strided(*g.from_logical) if res is buf else layout.to_storage(res, block, ndim)
-                    tensor.as_strided(sshape, sstride, offset + soff).copy_(src)
+                    dst = tensor.as_strided(sshape, sstride, offset + soff)
+                    if tiled and res.dim() == 2 and (layout.groups == 1 or sshape[2] == 1):
+                        # storage (in, groups, size) with one of groups/size 1: logical row r is column r
+                        _copy_transposed(dst[:, 0, :] if layout.groups == 1 else dst[:, :, 0], res)
+                    elif res is buf:
+                        dst.copy_(res.as_strided(*g.from_logical))
+                    else:
+                        dst.copy_(layout.to_storage(res, block, ndim))
                 else:
                     buf = scratch.get(block.shape, cdt, tensor.device)
                     res = plan.call(fn, buf)

@@ -897,3 +897,32 @@ def test_the_engine_page_examples_run() -> None:
     assert torch.equal(ns["lstm"].bias_hh_l0.detach()[:16], torch.zeros(16))
     for gate in torch.split(ns["lstm"].weight_hh_l0.detach(), 16):
         assert torch.allclose(gate @ gate.T, torch.eye(16), atol=1e-5)
+
+
+# -- speed paths at sizes past their thresholds: tiled transposing copies (> 32 logical rows, a partial
+# last tile) and uniform-family draws straight into row-major strided views (dim-1 splits) ---------------
+BIG_KINDS = [
+    k
+    for k in kinds(e=40, d=5, nh=8, nkv=2, nexp=2, inter=37)
+    if k.name in ("gpt2_conv1d", "gpt2_conv1d_gqa", "gpt_oss_experts", "dim1_split", "neox_grouped", "mha_dim0")
+]
+BIG_FNS = [f for f in RANDOM if f[0] in ("uniform_", "xavier_uniform_", "kaiming_uniform_", "normal_", "orthogonal_")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(("fname", "fn", "kw"), BIG_FNS, ids=[f[0] for f in BIG_FNS])
+@pytest.mark.parametrize("kind", BIG_KINDS, ids=[k.name for k in BIG_KINDS])
+def test_speed_paths_are_bit_identical_past_their_thresholds(
+    kind: Kind, fname: str, fn: Callable[..., Tensor], kw: dict[str, Any], dtype: torch.dtype
+) -> None:
+    def ref_fn(t: Tensor, **k: Any) -> Tensor:
+        if fname == "orthogonal_" and dtype == torch.bfloat16:  # float32 then cast, as documented
+            return t.copy_(fn(torch.empty(t.shape), **k))
+        return fn(t, **k)
+
+    torch.manual_seed(SEED)
+    want = kind.pack(separate(ref_fn, kind.shapes, dtype=dtype, **kw))
+    w = kind.make().to(dtype)
+    torch.manual_seed(SEED)
+    chunked_init(w, init_fn=fn, **kind.call, **kw)
+    assert torch.equal(w, want)
