@@ -1,0 +1,7 @@
+"""``python -m benchmarks``: see :func:`benchmarks.cli.main`."""
+
+from __future__ import annotations
+
+from .cli import main
+
+raise SystemExit(main())
