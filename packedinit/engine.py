@@ -770,18 +770,11 @@ def _run_single(
     Returns False when the general path must handle it (orthogonal_ that needs a
     float32/contiguous scratch, generator= that needs care, a user function on meta).
     """
-    try:
-        lean = _LEAN.get(fn)
-    except TypeError:  # an unhashable callable
-        lean = None
+    lean = _lean_get(fn)
     if lean is not None and (lean[1] or not kwargs or "generator" not in kwargs):
         if lean[0] and tensor.numel() == 0:
             return True
-        try:  # torch.nn.init functions check their input before they write, and use no_grad themselves
-            fn(tensor, *args, **kwargs)
-        except Exception as e:
-            if not _lean_failed(tensor, fn, kwargs, param, e):
-                raise
+        _lean_call(tensor, fn, args, kwargs, param)
         return True
     if type(fn) is types.FunctionType and fn in _TORCH_FNS:
         if fn is _init.orthogonal_ or fn is _init.trunc_normal_:
@@ -792,11 +785,7 @@ def _run_single(
             return False
         if tensor.numel() == 0:
             return True
-        try:  # torch.nn.init functions check their input before they write, and use no_grad themselves
-            fn(tensor, *args, **kwargs)
-        except Exception as e:
-            if not _lean_failed(tensor, fn, kwargs, param, e):
-                raise
+        _lean_call(tensor, fn, args, kwargs, param)
         return True
     if tensor.is_meta or (kwargs and "generator" in kwargs):
         return False
@@ -906,6 +895,21 @@ def _lean_get(fn: Any) -> tuple[bool, bool] | None:
         return None
 
 
+def _lean_call(
+    tensor: Tensor, fn: Callable[..., Tensor], args: tuple[Any, ...], kwargs: Mapping[str, Any], param: str | None
+) -> None:
+    """Call a torch.nn.init function on the whole tensor as it is (the lean path).
+
+    Those functions check their input before they write and use no_grad themselves; a
+    rejection becomes PackedInitError (see :func:`_lean_failed`).
+    """
+    try:
+        fn(tensor, *args, **kwargs)
+    except Exception as e:
+        if not _lean_failed(tensor, fn, kwargs, param, e):
+            raise
+
+
 def _lean_failed(
     tensor: Tensor, fn: Callable[..., Tensor], kwargs: Mapping[str, Any], param: str | None, e: Exception
 ) -> bool:
@@ -945,21 +949,6 @@ def _run(
 
     ``param`` names the tensor in error messages; ``scratch`` may be shared across calls.
     """
-    if chunks is None and dim is None and type(tensor) in _PLAIN_TYPES:
-        fn: Any = init_fn
-        try:
-            lean = _LEAN.get(fn)
-        except TypeError:  # an unhashable callable
-            lean = None
-        if lean is not None and (lean[1] or not kwargs or "generator" not in kwargs):
-            if lean[0] and tensor.numel() == 0:
-                return
-            try:  # torch.nn.init functions check their input before they write and use no_grad themselves
-                fn(tensor, *args, **kwargs)
-            except Exception as e:
-                if not _lean_failed(tensor, fn, kwargs, param, e):
-                    raise
-            return
     if (
         type(tensor) in _PLAIN_TYPES
         and callable(init_fn)
@@ -1050,20 +1039,15 @@ def chunked(
         raise PackedInitError(f"chunked(init_fn=...) needs a function, got {type(init_fn).__name__}.")
     chunks = _check_chunks_arg(chunks, dim)
     lean = _lean_get(init_fn) if chunks is None and dim is None else None
-    fast = lean is not None  # the lean path of _run, inlined: an unpacked tensor and a torch.nn.init function
+    fast = lean is not None  # the lean path of _run_single, inlined: an unpacked tensor and a torch.nn.init function
     skip_empty, takes_generator = lean if lean is not None else (False, False)
     tensor_types = _PLAIN_TYPES
 
     @functools.wraps(init_fn)
     def wrapper(target: Any, /, *args: Any, **kwargs: Any) -> Any:
         if fast and type(target) in tensor_types and (takes_generator or not kwargs or "generator" not in kwargs):
-            if skip_empty and target.numel() == 0:
-                return target
-            try:
-                init_fn(target, *args, **kwargs)
-            except Exception as e:
-                if not _lean_failed(target, init_fn, kwargs, None, e):
-                    raise
+            if not (skip_empty and target.numel() == 0):
+                _lean_call(target, init_fn, args, kwargs, None)
             return target
         if isinstance(target, nn.Module):
             from . import walk
