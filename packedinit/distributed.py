@@ -83,7 +83,15 @@ def init_dtensor(
             ``_StridedShard``, a non-default shard order); raised before the
             first write.
     """
-    plan, local, ranges = plan_dtensor(tensor, chunks, dim, init_fn, args, kwargs, param=param)
+    write_planned(*plan_dtensor(tensor, chunks, dim, init_fn, args, kwargs, param=param), scratch)
+
+
+def write_planned(plan: Plan | None, local: Tensor, ranges: list[range] | None, scratch: _Scratch | None) -> None:
+    """The writing half of :func:`init_dtensor`, for what :func:`plan_dtensor` returned.
+
+    Lets a caller (the whole-model walk) check every parameter first and write after,
+    without planning each DTensor twice.
+    """
     if plan is None or local.is_meta:
         return
     if ranges is not None and tuple(len(r) for r in ranges) == tuple(plan.shape):

@@ -64,9 +64,11 @@ def _remember_good(fn: Callable[..., Tensor], p: Tensor) -> None:
         _GOOD[key] = None
 
 
+#: What distributed.plan_dtensor returns for a DTensor: (plan, local shard, global ranges).
+_DTensorPlan = tuple[Plan | None, Tensor, list[range] | None]
 #: One write: (qualified name, tensor, its layout or None, a validated plan for packed plain tensors,
-#: whether it is a plain unpacked tensor that init_fn may be called on directly).
-_Step = tuple[str, Tensor, Layout | None, Plan | None, bool]
+#: whether it is a plain unpacked tensor that init_fn may be called on directly, a DTensor's plan).
+_Step = tuple[str, Tensor, Layout | None, Plan | None, bool, _DTensorPlan | None]
 
 
 def _plan_steps(
@@ -98,12 +100,12 @@ def _plan_steps(
             from .distributed import plan_dtensor
 
             # every check now, so that the whole model stays all-or-nothing; written by the distributed path
-            plan_dtensor(p, layout, None, init_fn, args, kwargs, param=name)
-            steps.append((name, p, layout, None, False))
+            dtensor_plan = plan_dtensor(p, layout, None, init_fn, args, kwargs, param=name)
+            steps.append((name, p, layout, None, False, dtensor_plan))
         elif layout is not None:
             plan = make_plan(p, layout, None, init_fn, args, kwargs, param=name)
             if plan is not None and not p.is_meta and p.numel():
-                steps.append((name, p, layout, plan, False))
+                steps.append((name, p, layout, plan, False, None))
         else:
             key = (p.shape, p.dtype, p.device) if by_device else (p.shape, p.dtype)
             if key not in seen:
@@ -115,7 +117,7 @@ def _plan_steps(
                         make_plan(meta, None, None, init_fn, args, kwargs, param=name)
                     if cacheable:
                         _remember_good(init_fn, p)
-            steps.append((name, p, None, None, True))
+            steps.append((name, p, None, None, True, None))
     return steps
 
 
@@ -126,11 +128,15 @@ def _run_steps(
     kwargs: Mapping[str, Any],
 ) -> None:
     scratch = _Scratch()
-    for name, p, layout, plan, plain in steps:
+    for name, p, layout, plan, plain, dtensor_plan in steps:
         if plan is not None:
             execute(plan, p, scratch)
+        elif dtensor_plan is not None:
+            from .distributed import write_planned
+
+            write_planned(*dtensor_plan, scratch)
         elif not (plain and _run_single(p, init_fn, args, kwargs, name)):
-            # a DTensor, or an unpacked tensor the engine's lean path (exactly init_fn(p, ...)) declines
+            # an unpacked tensor the engine's lean path (exactly init_fn(p, ...)) declines
             _run(p, layout, None, init_fn, args, kwargs, param=name, scratch=scratch)
 
 
