@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import PackedInitError
-from .layout import Layout, LogicalBlock, _fans, _fmt_shape
+from .layout import Layout, LogicalBlock, fans, fmt_shape
 
 __all__ = [
     "AuditReport",
@@ -167,7 +167,7 @@ class Reference:
             return std * math.sqrt(var)
         if len(shape) < 2 or math.prod(shape) == 0:
             return None
-        fan_in, fan_out = _fans(shape)
+        fan_in, fan_out = fans(shape)
         assert fan_in is not None
         assert fan_out is not None
         if self.fn in ("xavier_uniform_", "xavier_normal_"):
@@ -466,13 +466,13 @@ def render(report: AuditReport, *, reference: str | None = None) -> str:
     for p in report.params:
         lines.append("")
         alias = f" (tied: {', '.join(p.aliases)})" if p.aliases else ""
-        lines.append(f"{p.name}{alias}  {_fmt_shape(p.shape)} {p.dtype} {p.device}  [{compact(p.layout)}]")
+        lines.append(f"{p.name}{alias}  {fmt_shape(p.shape)} {p.dtype} {p.device}  [{compact(p.layout)}]")
         pooled = " (all blocks pooled)" if sum(b.verdict not in ("constant", "n/a") for b in p.blocks) > 1 else ""
         lines.append(f"  verdict{pooled}: {p.detail}")
         if p.note:
             lines.append(f"  note: {p.note}")
         label_w = max(5, *(len(b.label) for b in p.blocks))
-        shape_w = max(5, *(len(_fmt_shape(b.shape)) for b in p.blocks))
+        shape_w = max(5, *(len(fmt_shape(b.shape)) for b in p.blocks))
         ref_cols = f"{(ref or '') + ' blk':>12} {(ref or '') + ' pkd':>12}" if ref else ""
         lines.append(
             f"  {'block':<{label_w}}  {'shape':<{shape_w}} {'fan_in':>7} {'fan_out':>7} {'std':>8} {ref_cols}  verdict"
@@ -485,7 +485,7 @@ def render(report: AuditReport, *, reference: str | None = None) -> str:
             fi = "-" if b.fan_in is None else str(b.fan_in)
             fo = "-" if b.fan_out is None else str(b.fan_out)
             lines.append(
-                f"  {b.label:<{label_w}}  {_fmt_shape(b.shape):<{shape_w}} {fi:>7} {fo:>7} "
+                f"  {b.label:<{label_w}}  {fmt_shape(b.shape):<{shape_w}} {fi:>7} {fo:>7} "
                 f"{_fmt(b.std)} {cols}  {b.detail}"
             )
     return "\n".join(lines)

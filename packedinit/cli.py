@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from .audit import AuditReport, Reference, audit, compact
 from .errors import PackedInitError
-from .layout import Layout, _fmt_shape
+from .layout import Layout, fmt_shape
 
 __all__ = ["main", "Target", "parse_target", "parse_init", "build_target", "demo_model"]
 
@@ -295,10 +295,10 @@ def render_comparison(reports: Sequence[tuple[str, AuditReport]], ref: Reference
     for pi, p in enumerate(first.params):
         if p.blocks and p.blocks[0].fan_in is None:
             continue
-        rows.append((f"{p.name}  {_fmt_shape(p.shape)}  [{compact(p.layout)}]",))
+        rows.append((f"{p.name}  {fmt_shape(p.shape)}  [{compact(p.layout)}]",))
         for bi, b in enumerate(p.blocks):
             expected = b.expected_std(ref.name).per_block
-            cells = [f"  {b.label}", _fmt_shape(b.shape), str(b.fan_in), str(b.fan_out), _fmt_std(expected)]
+            cells = [f"  {b.label}", fmt_shape(b.shape), str(b.fan_in), str(b.fan_out), _fmt_std(expected)]
             for _, rep in reports:
                 rb = rep.params[pi].blocks[bi]
                 if rb.std is None or not expected:

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from .engine import _DETERMINISTIC_FNS, Plan, _base, _check_tensor, _hashable_in, _Scratch, execute, make_plan
 from .errors import PackedInitError
-from .layout import Chunks, LogicalBlock, _fmt_shape
+from .layout import Chunks, LogicalBlock, fmt_shape
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -146,16 +146,16 @@ def plan_dtensor(
 def _check_local(tensor: DTensor, local: Tensor, ranges: Sequence[range] | None, where: str) -> None:
     if ranges is not None and tuple(len(r) for r in ranges) != tuple(local.shape):
         raise PackedInitError(
-            f"{where}: the local shard on this rank has shape {_fmt_shape(local.shape)} but "
+            f"{where}: the local shard on this rank has shape {fmt_shape(local.shape)} but "
             f"placements {tuple(tensor.placements)} on mesh {tuple(tensor.device_mesh.shape)} give "
-            f"{_fmt_shape([len(r) for r in ranges])}; packedinit cannot tell which elements this rank "
+            f"{fmt_shape([len(r) for r in ranges])}; packedinit cannot tell which elements this rank "
             f"holds. Re-create the DTensor with distribute_tensor/DTensor.from_local and even shapes."
         )
 
 
 def _where(param: str | None, shape: Sequence[int]) -> str:
     who = f"parameter {param!r}" if param else "tensor"
-    return f"{who} of shape {_fmt_shape(shape)}"
+    return f"{who} of shape {fmt_shape(shape)}"
 
 
 def _local_ranges(tensor: DTensor, where: str) -> list[range] | None:

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import PackedInitError
-from .layout import Chunks, Layout, LogicalBlock, _fmt_shape, _is_int, as_layout
+from .layout import Chunks, Layout, LogicalBlock, as_layout, fmt_shape, is_int
 
 __all__ = ["chunked_init", "chunked", "InitFn", "InitSpec", "ChunkedInit"]
 
@@ -189,7 +189,7 @@ class _Context:
         self.param, self.shape, self.layout = param, shape, layout
 
     def __str__(self) -> str:
-        return f"{_who(self.param)} of shape {_fmt_shape(self.shape)} with {self.layout!r}"
+        return f"{_who(self.param)} of shape {fmt_shape(self.shape)} with {self.layout!r}"
 
     def __format__(self, spec: str) -> str:
         return format(str(self), spec)
@@ -223,7 +223,7 @@ class Plan:
 
     def where(self) -> str:
         """``"parameter 'w' of shape (...) with Layout(...)"``, for messages."""
-        return f"{_who(self.param)} of shape {_fmt_shape(self.shape)} with {self.layout!r}"
+        return f"{_who(self.param)} of shape {fmt_shape(self.shape)} with {self.layout!r}"
 
     def compute_dtype(self, fn: Callable[..., Tensor]) -> torch.dtype:
         """The dtype a block is computed in: float32 for orthogonal_ on fp16/bf16."""
@@ -254,8 +254,8 @@ class Plan:
             return block_tensor
         if out.shape != block_tensor.shape:
             raise ValueError(
-                f"{_fn_name(fn)} returned a tensor of shape {_fmt_shape(out.shape)} for a block of shape "
-                f"{_fmt_shape(block_tensor.shape)}; an init function must fill its argument in place or "
+                f"{_fn_name(fn)} returned a tensor of shape {fmt_shape(out.shape)} for a block of shape "
+                f"{fmt_shape(block_tensor.shape)}; an init function must fill its argument in place or "
                 f"return a tensor of the same shape"
             )
         return out
@@ -292,7 +292,7 @@ def _resolve_fns(
                 raise PackedInitError(
                     f"{where}: init_fn names block {key!r}, which the layout does not have; known names: {known}."
                 )
-            if not isinstance(key, str) and (not _is_int(key) or not -layout.num_parts <= int(key) < layout.num_parts):
+            if not isinstance(key, str) and (not is_int(key) or not -layout.num_parts <= int(key) < layout.num_parts):
                 raise PackedInitError(
                     f"{where}: init_fn key {key!r} is neither a block name nor a part index "
                     f"in 0..{layout.num_parts - 1}."
@@ -424,7 +424,7 @@ def make_plan(
     layout = as_layout(chunks, dim, shape, param=param)
     if layout is None:
         if init_fn is None:
-            raise PackedInitError(f"no init_fn given for {_who(param)} of shape {_fmt_shape(shape)}.")
+            raise PackedInitError(f"no init_fn given for {_who(param)} of shape {fmt_shape(shape)}.")
         return None
     blocks = layout.blocks(shape, param=param)
     kwargs = dict(kwargs)
@@ -555,7 +555,7 @@ def _rejected(
     if block is not None and len(block.shape) < 2 and ("fewer than 2 dimensions" in str(e) or "2 or more" in str(e)):
         hint = " A 1-D block (a bias) has no fan_in/fan_out: use uniform_/normal_/zeros_ for biases."
     if block is not None:
-        what = f"block {block.label!r} of logical shape {_fmt_shape(block.shape)}"
+        what = f"block {block.label!r} of logical shape {fmt_shape(block.shape)}"
         fix = "pick an init function (or arguments) that accepts this block, or give per-block functions"
     else:
         what = "the tensor"
@@ -797,12 +797,12 @@ def _run_single(
             if out is not tensor and isinstance(out, Tensor):
                 if out.shape != tensor.shape:
                     raise ValueError(
-                        f"{_fn_name(fn)} returned a tensor of shape {_fmt_shape(out.shape)}; an init function "
+                        f"{_fn_name(fn)} returned a tensor of shape {fmt_shape(out.shape)}; an init function "
                         f"must fill its argument in place or return a tensor of the same shape"
                     )
                 tensor.copy_(out)
     except _REJECTIONS as e:
-        where = f"{_who(param)} of shape {_fmt_shape(tensor.shape)}"
+        where = f"{_who(param)} of shape {fmt_shape(tensor.shape)}"
         raise _rejected(where, None, fn, e, wrote_nothing=False) from e
     return True
 
@@ -927,7 +927,7 @@ def _lean_failed(
         if hasattr(e, "add_note"):  # Python >= 3.11
             e.add_note(f"packedinit: {_INFERENCE_FIX}")
         return False
-    where = f"{_who(param)} of shape {_fmt_shape(tensor.shape)}"
+    where = f"{_who(param)} of shape {fmt_shape(tensor.shape)}"
     gen = kwargs.get("generator")
     _check_tensor(tensor, gen if isinstance(gen, torch.Generator) else None, where)
     _check_tensor_fn(tensor, fn, None, where)
@@ -981,17 +981,17 @@ class ChunkedInit(Protocol[P]):
 
 def _check_chunks_arg(chunks: Chunks | None, dim: int | None) -> Chunks | None:
     """Type checks of ``chunked``'s arguments (shape checks happen per call); lists become tuples."""
-    if dim is not None and not _is_int(dim):
+    if dim is not None and not is_int(dim):
         raise PackedInitError(f"chunked(dim={dim!r}): dim must be an int (or None).")
     if chunks is None or isinstance(chunks, Layout):
         return chunks
-    if _is_int(chunks):
+    if is_int(chunks):
         if operator.index(chunks) < 1:
             raise PackedInitError(f"chunked(chunks={chunks!r}): chunks must be a positive number of blocks.")
         return operator.index(chunks)
     if isinstance(chunks, Sequence) and not isinstance(chunks, (str, bytes)):
         sizes = tuple(chunks)
-        if not sizes or not all(_is_int(s) and operator.index(s) > 0 for s in sizes):
+        if not sizes or not all(is_int(s) and operator.index(s) > 0 for s in sizes):
             raise PackedInitError(f"chunked(chunks={chunks!r}): sizes must be a non-empty list of positive ints.")
         return sizes
     raise PackedInitError(

@@ -21,13 +21,13 @@ from torch import Tensor
 
 from .errors import PackedInitError
 
-__all__ = ["Layout", "LogicalBlock", "Chunks", "logical_blocks", "as_layout"]
+__all__ = ["Layout", "LogicalBlock", "Chunks", "logical_blocks", "as_layout", "fmt_shape", "fans", "is_int"]
 
 #: What ``chunks`` may be: a number of equal blocks, a list of block sizes, or a Layout.
 Chunks: TypeAlias = Union[int, Sequence[int], "Layout"]  # forward reference needs Union
 
 
-def _fmt_shape(shape: Sequence[int]) -> str:
+def fmt_shape(shape: Sequence[int]) -> str:
     return "(" + ", ".join(str(int(s)) for s in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
@@ -71,7 +71,7 @@ class LogicalBlock:
         return base
 
 
-def _fans(shape: Sequence[int]) -> tuple[int | None, int | None]:
+def fans(shape: Sequence[int]) -> tuple[int | None, int | None]:
     if len(shape) < 2:
         return None, None
     receptive = math.prod(shape[2:])
@@ -128,7 +128,7 @@ class Layout:
         def bad(msg: str) -> PackedInitError:
             return PackedInitError(f"Layout(dim={dim!r}, sizes={sizes!r}, groups={groups!r}, ...): {msg}")
 
-        if not _is_int(dim):
+        if not is_int(dim):
             raise bad("dim must be an int.")
         if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
             raise bad("sizes must be a sequence of positive ints, e.g. sizes=[E, E, E].")
@@ -136,13 +136,13 @@ class Layout:
         if not size_tuple:
             raise bad("sizes is empty; give at least one part size, e.g. sizes=[E, E, E].")
         for s in size_tuple:
-            if not _is_int(s) or operator.index(s) <= 0:
+            if not is_int(s) or operator.index(s) <= 0:
                 raise bad(f"every size must be a positive int, got {s!r}; drop empty parts from sizes.")
-        if not _is_int(groups) or operator.index(groups) < 1:
+        if not is_int(groups) or operator.index(groups) < 1:
             raise bad(f"groups must be a positive int, got {groups!r}.")
         if not isinstance(transposed, bool):
             raise bad(f"transposed must be a bool, got {transposed!r}.")
-        if not _is_int(batch_dims) or operator.index(batch_dims) < 0:
+        if not is_int(batch_dims) or operator.index(batch_dims) < 0:
             raise bad(f"batch_dims must be a non-negative int, got {batch_dims!r}.")
         name_tuple: tuple[str, ...] | None = None
         if names is not None:
@@ -288,7 +288,7 @@ class Layout:
                 known = list(self._names) if self._names else "none (this layout has no names)"
                 raise PackedInitError(f"{self!r} has no part named {part!r}; known names: {known}.")
             return self._names.index(part)
-        if not _is_int(part) or not -self.num_parts <= int(part) < self.num_parts:
+        if not is_int(part) or not -self.num_parts <= int(part) < self.num_parts:
             raise PackedInitError(f"{self!r} has no part {part!r}; parts are 0..{self.num_parts - 1}.")
         return int(part) % self.num_parts
 
@@ -360,7 +360,7 @@ def _split_dim(t: Tensor, d: int, a: int, b: int) -> Tensor:
     return t.view(*shape[:d], a, b, *shape[d + 1 :])
 
 
-def _is_int(x: object) -> TypeGuard[SupportsIndex]:
+def is_int(x: object) -> TypeGuard[SupportsIndex]:
     """An integer (Python, numpy or 0-d integer tensor), but not a bool."""
     if isinstance(x, int):
         return not isinstance(x, bool)
@@ -378,7 +378,7 @@ def _is_int(x: object) -> TypeGuard[SupportsIndex]:
 @lru_cache(maxsize=4096)
 def _check(layout: Layout, shape: tuple[int, ...], param: str | None) -> None:
     ndim = len(shape)
-    where = f"{_where(param)}of shape {_fmt_shape(shape)} with {layout!r}"
+    where = f"{_where(param)}of shape {fmt_shape(shape)} with {layout!r}"
     if ndim == 0:
         raise PackedInitError(f"{where}: a 0-D tensor has no dim to pack; pass a tensor with at least 1 dim.")
     if layout.batch_dims >= ndim:
@@ -425,7 +425,7 @@ def _blocks(layout: Layout, shape: tuple[int, ...], param: str | None) -> tuple[
             lshape[d] = layout.groups * size
             if layout.transposed:
                 lshape[0], lshape[1] = lshape[1], lshape[0]
-            fan_in, fan_out = _fans(lshape)
+            fan_in, fan_out = fans(lshape)
             out.append(
                 LogicalBlock(
                     index=len(out),
@@ -473,9 +473,9 @@ def _as_layout(
     shape: tuple[int, ...],
     param: str | None,
 ) -> Layout | None:
-    where = f"{_where(param)}of shape {_fmt_shape(shape)}"
+    where = f"{_where(param)}of shape {fmt_shape(shape)}"
     ndim = len(shape)
-    if dim is not None and not _is_int(dim):
+    if dim is not None and not is_int(dim):
         raise PackedInitError(f"{where}: dim must be an int, got {dim!r}.")
     if isinstance(chunks, Layout):
         if dim is not None and operator.index(dim) != chunks.dim:
@@ -494,7 +494,7 @@ def _as_layout(
     length = shape[d]
     if chunks is None:
         return Layout(dim=d, sizes=(length,)) if length > 0 else None
-    if _is_int(chunks):
+    if is_int(chunks):
         n = operator.index(chunks)
         if n < 1:
             raise PackedInitError(f"{where}: chunks={n} must be a positive number of blocks.")
@@ -512,7 +512,7 @@ def _as_layout(
         )
     sizes = list(chunks)
     for s in sizes:
-        if not _is_int(s) or operator.index(s) <= 0:
+        if not is_int(s) or operator.index(s) <= 0:
             raise PackedInitError(
                 f"{where}: chunks={sizes} has a non-positive or non-int size {s!r}; sizes must be positive ints."
             )

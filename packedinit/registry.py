@@ -22,7 +22,7 @@ from typing import Any, TypeAlias, TypeVar, overload
 from torch import Tensor, nn
 
 from .errors import PackedInitError
-from .layout import Layout, _fmt_shape
+from .layout import Layout, fmt_shape
 
 __all__ = [
     "Adapter",
@@ -332,7 +332,7 @@ def _checked(
     if not isinstance(layout, Layout):
         raise PackedInitError(
             f"{source} gives {type(layout).__name__} {layout!r} for parameter {fqn!r} of shape "
-            f"{_fmt_shape(p.shape)}; give a packedinit.Layout, e.g. Layout(0, [E, E, E])."
+            f"{fmt_shape(p.shape)}; give a packedinit.Layout, e.g. Layout(0, [E, E, E])."
         )
     try:
         layout.check(p.shape, param=fqn)
@@ -382,7 +382,7 @@ def _decide(claims: list[_Claim], fqn: str) -> Layout | None:
     for other in pool[1:]:
         if other.layout != first.layout:
             raise PackedInitError(
-                f"parameter {fqn!r} of shape {_fmt_shape(first.param.shape)} gets two different layouts: "
+                f"parameter {fqn!r} of shape {fmt_shape(first.param.shape)} gets two different layouts: "
                 f"{first.layout!r} from {first.source} and {other.layout!r} from {other.source}; "
                 f"annotate the instance to choose (packedinit.annotate(module, name=Layout(...)))."
             )
