@@ -8,11 +8,11 @@ init function on its own.
 from __future__ import annotations
 
 from .adapters.fused import fused_gate_up, fused_qkv
-from .adapters.torch_nn import init_recurrent_, reset_parameters
 from .audit import AuditReport, BlockAudit, ParamAudit, Reference, audit
 from .engine import ChunkedInit, InitFn, InitSpec, chunked, chunked_init
 from .errors import PackedInitError
 from .layout import Chunks, Layout, LogicalBlock, logical_blocks
+from .recipes import init_recurrent_, reset_parameters
 from .registry import Adapter, annotate, layouts, register, registered, unregister
 from .walk import init_model
 

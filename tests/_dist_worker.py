@@ -418,7 +418,7 @@ def modules_own_reset(model: nn.Module) -> None:
 
 def packedinit_reset(model: nn.Module) -> None:
     """``packedinit``'s ``reset_parameters(model)``: every module's default init, MHA per q/k/v block."""
-    from packedinit.adapters.torch_nn import reset_parameters
+    from packedinit.recipes import reset_parameters
 
     reset_parameters(model)
 

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.nn.init import dirac_, orthogonal_, xavier_uniform_
 
 from packedinit import Layout, PackedInitError, chunked, layouts
-from packedinit.adapters.torch_nn import init_recurrent_, reset_parameters
+from packedinit.recipes import init_recurrent_, reset_parameters
 
 LSTM_GATES = ("i", "f", "g", "o")
 GRU_GATES = ("r", "z", "n")

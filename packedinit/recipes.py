@@ -1,0 +1,365 @@
+"""Recipes: torch's default init done per block (``reset_parameters``) and the LSTM/GRU recipe.
+
+``reset_parameters`` re-runs every submodule's own default init, packed blocks on their
+own; ``init_recurrent_`` is the usual recurrent init (orthogonal recurrent, forget bias).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor, nn
+from torch.nn.init import (
+    constant_,
+    kaiming_uniform_,
+    normal_,
+    orthogonal_,
+    uniform_,
+    xavier_normal_,
+    xavier_uniform_,
+    zeros_,
+)
+
+from .adapters.torch_nn import LSTM_GATES, QKV, gate_layout, gate_names
+from .engine import InitSpec, Plan, _is_dtensor, _run, _Scratch, execute, make_plan
+from .errors import PackedInitError
+from .layout import Layout
+from .walk import _init_tree
+
+__all__ = ["reset_parameters", "init_recurrent_"]
+
+M = TypeVar("M", bound=nn.Module)
+
+
+# -- default init, per block -----------------------------------------------------------------------
+def _post_order(module: nn.Module) -> list[nn.Module]:
+    """Every distinct submodule, children before parents (the order torch constructs them in)."""
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        for child in m.children():
+            visit(child)
+        out.append(m)
+
+    visit(module)
+    return out
+
+
+def _check_generator(generator: object, where: str) -> torch.Generator | None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise PackedInitError(f"{where}: generator must be a torch.Generator, got {type(generator).__name__}.")
+    return generator
+
+
+class _GeneratorAsDefault:
+    """Run code that draws from the default CPU RNG as if it drew from ``generator``.
+
+    For a CPU generator the states are interchangeable: the default generator takes
+    the generator's state, the code runs, the generator takes the advanced state and
+    the default generator gets its own state back (untouched, as promised).
+    """
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+        self.saved: Tensor | None = None
+
+    def __enter__(self) -> None:
+        self.saved = torch.get_rng_state()
+        torch.set_rng_state(self.generator.get_state())
+
+    def __exit__(self, *exc: object) -> None:
+        self.generator.set_state(torch.get_rng_state())
+        assert self.saved is not None
+        torch.set_rng_state(self.saved)
+
+
+def _own_tensors(m: nn.Module) -> list[Tensor]:
+    return [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+
+
+def _reset_mha(m: nn.MultiheadAttention, generator: torch.Generator | None) -> None:
+    """``MultiheadAttention._reset_parameters`` with xavier per q/k/v block (pytorch/pytorch#166378)."""
+    kw: dict[str, Any] = {"generator": generator} if generator is not None else {}
+    if m._qkv_same_embed_dim:
+        if m.in_proj_weight is not None:
+            layout = Layout(0, (m.embed_dim,) * 3, names=QKV)
+            _run(m.in_proj_weight, layout, None, xavier_uniform_, (), kw, param="in_proj_weight")
+    else:
+        for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+            _run(getattr(m, name), None, None, xavier_uniform_, (), kw, param=name)
+    if m.in_proj_bias is not None:
+        _run(m.in_proj_bias, None, None, constant_, (0.0,), {}, param="in_proj_bias")
+        if m.out_proj.bias is not None:
+            _run(m.out_proj.bias, None, None, constant_, (0.0,), {}, param="out_proj.bias")
+    for name in ("bias_k", "bias_v"):
+        t = getattr(m, name)
+        if t is not None:
+            _run(t, None, None, xavier_normal_, (), kw, param=name)
+
+
+def _reset_linear_or_conv(m: nn.Linear | nn.modules.conv._ConvNd, generator: torch.Generator | None) -> None:
+    """``Linear.reset_parameters`` / ``_ConvNd.reset_parameters``, through the engine (generator, DTensor)."""
+    kw: dict[str, Any] = {"generator": generator} if generator is not None else {}
+    w = m.weight
+    _run(w, None, None, kaiming_uniform_, (), {"a": math.sqrt(5), **kw}, param="weight")
+    b = m.bias
+    if b is not None:
+        fan_in = w.shape[1] * math.prod(w.shape[2:]) if w.dim() >= 2 else 0
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+        _run(b, None, None, uniform_, (-bound, bound), kw, param="bias")
+
+
+def _reset_recurrent(m: nn.RNNBase | nn.RNNCellBase, generator: torch.Generator | None) -> None:
+    """``RNNBase.reset_parameters`` / ``RNNCellBase.reset_parameters``: U(+-1/sqrt(H)) on everything."""
+    kw: dict[str, Any] = {"generator": generator} if generator is not None else {}
+    h = m.hidden_size
+    stdv = 1.0 / math.sqrt(h) if h > 0 else 0
+    for name, p in m.named_parameters():
+        _run(p, None, None, uniform_, (-stdv, stdv), kw, param=name)
+
+
+def _reset_embedding(m: nn.Embedding, generator: torch.Generator | None) -> None:
+    kw: dict[str, Any] = {"generator": generator} if generator is not None else {}
+    _run(m.weight, None, None, normal_, (), kw, param="weight")
+    _with_global_params(m, m._fill_padding_idx_with_zero)
+
+
+def _with_global_params(m: nn.Module, step: Callable[[], None]) -> None:
+    """Run a module's own init code; on DTensor parameters, on their global values.
+
+    Torch's own init code writes through indexing (``weight[padding_idx].fill_(0)``) or
+    draws per rank: on a sharded DTensor the first writes nothing and the second depends
+    on the world size. Inside ``global_params`` every rank sees the global tensors and
+    keeps its own shard of what was written.
+    """
+    if any(_is_dtensor(t) for t in _own_tensors(m)):
+        from .distributed import global_params
+
+        with global_params(m):
+            step()
+    else:
+        step()
+
+
+#: Torch defaults packedinit replays itself (bit-identical), so that ``generator=`` and
+#: DTensor parameters go through the engine; used only where the class keeps that method.
+_REPLAYED: tuple[tuple[type[nn.Module], Callable[[Any, torch.Generator | None], None]], ...] = (
+    (nn.Linear, _reset_linear_or_conv),
+    (nn.modules.conv._ConvNd, _reset_linear_or_conv),
+    (nn.RNNBase, _reset_recurrent),
+    (nn.RNNCellBase, _reset_recurrent),
+    (nn.Embedding, _reset_embedding),
+)
+
+
+def _replay_for(m: nn.Module) -> Callable[[Any, torch.Generator | None], None] | None:
+    if isinstance(m, nn.modules.lazy.LazyModuleMixin):
+        return None
+    own = getattr(type(m), "reset_parameters", None)
+    for cls, replay in _REPLAYED:
+        if isinstance(m, cls) and own is getattr(cls, "reset_parameters", None):
+            return replay
+    return None
+
+
+def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = None) -> None:
+    r"""Re-run the default init of every submodule, with packed blocks initialised on their own.
+
+    Visits every distinct submodule children first (the order torch constructs them
+    in) and re-runs its own default init:
+
+    - ``nn.MultiheadAttention``: torch's ``_reset_parameters`` with ``xavier_uniform_``
+      per q, k, v block of ``in_proj_weight``. This is the fix proposed in
+      pytorch/pytorch#166378: torch draws the packed (3E, E) tensor from
+      :math:`\mathcal{U}(\pm\sqrt{6/4E})` instead of :math:`\mathcal{U}(\pm\sqrt{6/2E})`.
+      The result is bit-identical (same seed) to ``xavier_uniform_`` on separate
+      q, k, v tensors; ``in_proj_bias`` and ``out_proj.bias`` are zeroed and
+      ``bias_k``/``bias_v`` get ``xavier_normal_``, as torch does.
+    - ``nn.Transformer``: ``xavier_uniform_`` on every parameter with ``dim > 1``,
+      as its ``_reset_parameters`` does, packed ones per block.
+    - ``Linear``, ``Conv*``, ``Embedding``, ``LSTM``/``GRU``/``RNN`` and their cells
+      (unless a subclass overrides ``reset_parameters``): torch's default replayed
+      call for call through packedinit's engine, bit-identical to torch, so that
+      ``generator=`` and DTensor parameters are honoured. The recurrent default,
+      :math:`\mathcal{U}(\pm 1/\sqrt{H})` on every weight and bias, does not depend
+      on fans, so it is already right per gate.
+    - any other module with a ``reset_parameters()`` method (``LayerNorm``,
+      ``BatchNorm*``, your own modules): that method.
+
+    Clones stay independent: the layers of a ``TransformerEncoder`` (deep copies of
+    one layer at construction) each get their own draws.
+
+    Args:
+        module: the model (or a single module).
+        generator: draw every random number from it (the global RNG is then
+            untouched). Modules whose ``reset_parameters()`` takes no generator
+            run with the default CPU RNG temporarily set to ``generator``'s state,
+            which needs a CPU generator and CPU (or meta) parameters.
+
+    Raises:
+        PackedInitError: ``generator`` is not a Generator, or cannot be routed
+            through some module's ``reset_parameters()``; raised before any write.
+
+    Examples:
+        >>> E = 32
+        >>> mha = torch.nn.MultiheadAttention(E, 4)
+        >>> reset_parameters(mha, generator=torch.Generator().manual_seed(0))
+        >>> bool(mha.in_proj_weight.abs().max() <= (6 / (2 * E)) ** 0.5)
+        True
+        >>> bool(mha.in_proj_weight.abs().max() > (6 / (4 * E)) ** 0.5)  # torch's packed bound
+        True
+    """
+    if not isinstance(module, nn.Module):
+        raise PackedInitError(f"reset_parameters(module) needs an nn.Module, got {type(module).__name__}.")
+    gen = _check_generator(generator, "reset_parameters")
+    plan: list[tuple[Callable[[], None], bool]] = []  # (step, run it with the generator routed through)
+    for m in _post_order(module):
+        replay = _replay_for(m)
+        if isinstance(m, nn.MultiheadAttention):
+            plan.append((functools.partial(_reset_mha, m, gen), False))
+        elif isinstance(m, nn.Transformer):
+            kw: dict[str, Any] = {"generator": gen} if gen is not None else {}
+            plan.append((functools.partial(_init_tree, m, xavier_uniform_, (), kw), False))
+        elif replay is not None:
+            plan.append((functools.partial(replay, m, gen), False))
+        else:
+            reset = getattr(m, "reset_parameters", None)
+            if callable(reset):
+                if gen is not None:
+                    _check_routable(m, gen)
+                plan.append((functools.partial(_with_global_params, m, reset), gen is not None))
+    routed = _GeneratorAsDefault(gen) if gen is not None else None
+    for step, route in plan:
+        if route and routed is not None:
+            with routed:
+                step()
+        else:
+            step()
+
+
+def _check_routable(m: nn.Module, gen: torch.Generator) -> None:
+    bad = [t for t in _own_tensors(m) if t.device.type not in ("cpu", "meta")]
+    if gen.device.type != "cpu" or bad:
+        where = bad[0].device if bad else gen.device
+        raise PackedInitError(
+            f"reset_parameters(generator=...): {type(m).__name__}.reset_parameters() takes no generator, and "
+            f"packedinit can route only a CPU generator to CPU parameters through it (found {where}); "
+            f"seed the default RNG instead (torch.manual_seed) and pass generator=None."
+        )
+
+
+# -- the recurrent recipe --------------------------------------------------------------------------
+def init_recurrent_(
+    module: M,
+    input_init: InitSpec = xavier_uniform_,
+    hidden_init: InitSpec = orthogonal_,
+    forget_bias: float = 1.0,
+    *,
+    generator: torch.Generator | None = None,
+) -> M:
+    r"""The usual LSTM/GRU init, per gate, for every layer and direction.
+
+    For every ``nn.LSTM``/``nn.GRU``/``nn.RNN`` and ``LSTMCell``/``GRUCell``/``RNNCell``
+    in ``module`` (itself included):
+
+    - ``weight_ih*`` (G*H, I): ``input_init`` on each gate's (H, I) block;
+    - ``weight_hh*`` (G*H, H): ``hidden_init`` on each gate's (H, H) block, so the
+      default ``orthogonal_`` makes every gate's recurrent matrix orthogonal (on the
+      packed (4H, H) tensor it would orthogonalise across gates instead);
+    - ``weight_hr*`` (LSTM ``proj_size``): ``input_init`` on the whole matrix;
+    - biases: zero, except the LSTM forget gate ``f`` of ``bias_ih*``, set to
+      ``forget_bias`` (Gers et al. 2000; Jozefowicz et al. 2015).
+
+    Why only one bias: an LSTM computes
+    :math:`f_t = \sigma(W_{if} x_t + b_{if} + W_{hf} h_{t-1} + b_{hf})`; the two
+    biases are summed, so the snippet that fills ``[H:2H]`` of every ``bias*``
+    parameter gives an effective forget bias of 2, not 1. Here ``bias_ih`` holds
+    ``forget_bias`` and ``bias_hh`` holds 0.
+
+    GRU and plain RNN have no forget gate: their biases are all zero and
+    ``forget_bias`` is not used. Gate names for per-gate specs: LSTM
+    ``i, f, g, o``, GRU ``r, z, n``, RNN ``h``.
+
+    Args:
+        module: a recurrent module, or a model containing some.
+        input_init: init fn for the input-to-hidden blocks; or per gate (a list, or
+            a mapping by gate name).
+        hidden_init: init fn for the hidden-to-hidden blocks; or per gate.
+        forget_bias: the LSTM forget-gate bias (in ``bias_ih`` only).
+        generator: used for every draw (the global RNG is then untouched).
+
+    Returns:
+        ``module`` itself.
+
+    Raises:
+        PackedInitError: no recurrent module in ``module``, bad init specs, or an
+            init fn rejecting a block; raised before anything is written.
+
+    Examples:
+        >>> lstm = init_recurrent_(torch.nn.LSTM(4, 8, num_layers=2, bidirectional=True))
+        >>> H = 8
+        >>> lstm.bias_ih_l1_reverse[H:2 * H].tolist() == [1.0] * H, bool(lstm.bias_hh_l1_reverse.eq(0).all())
+        (True, True)
+        >>> w = lstm.weight_hh_l0[2 * H:3 * H]  # the g gate's recurrent matrix
+        >>> torch.allclose(w @ w.T, torch.eye(H), atol=1e-5)
+        True
+    """
+    if not isinstance(module, nn.Module):
+        raise PackedInitError(f"init_recurrent_(module) needs an nn.Module, got {type(module).__name__}.")
+    gen = _check_generator(generator, "init_recurrent_")
+    if isinstance(forget_bias, bool) or not isinstance(forget_bias, numbers.Real) or not math.isfinite(forget_bias):
+        raise PackedInitError(f"init_recurrent_: forget_bias must be a finite number, got {forget_bias!r}.")
+    wkw: dict[str, Any] = {"generator": gen} if gen is not None else {}
+    jobs: list[tuple[str, Tensor, Layout | None, InitSpec, tuple[Any, ...], dict[str, Any]]] = []
+    found = False
+    for prefix, m in module.named_modules():
+        if not isinstance(m, (nn.RNNBase, nn.RNNCellBase)):
+            continue
+        found = True
+        gates = gate_layout(m)
+        is_lstm = gate_names(m) == LSTM_GATES
+        for n, p in m.named_parameters(recurse=False):
+            fqn = f"{prefix}.{n}" if prefix else n
+            if n.startswith("weight_ih"):
+                jobs.append((fqn, p, gates, input_init, (), wkw))
+            elif n.startswith("weight_hh"):
+                jobs.append((fqn, p, gates, hidden_init, (), wkw))
+            elif n.startswith("weight_hr"):
+                if not callable(input_init):
+                    raise PackedInitError(
+                        f"init_recurrent_: {fqn!r} (proj_size projection, one matrix) needs one function, but "
+                        f"input_init is per gate ({type(input_init).__name__}); pass a function."
+                    )
+                jobs.append((fqn, p, None, input_init, (), wkw))
+            elif n.startswith("bias_ih") and is_lstm and gates is not None:
+                fill = functools.partial(constant_, val=float(forget_bias))
+                jobs.append((fqn, p, gates, {"i": zeros_, "f": fill, "g": zeros_, "o": zeros_}, (), {}))
+            else:
+                jobs.append((fqn, p, None, zeros_, (), {}))
+    if not found:
+        raise PackedInitError(
+            f"init_recurrent_: {type(module).__name__} contains no LSTM/GRU/RNN or LSTMCell/GRUCell/RNNCell; "
+            f"use packedinit.chunked(fn)(module) for other modules."
+        )
+    plans: list[tuple[str, Tensor, Layout | None, InitSpec, tuple[Any, ...], dict[str, Any], Plan | None]] = []
+    for fqn, p, layout, spec, args, kw in jobs:  # validate everything first: all or nothing
+        plan = None if _is_dtensor(p) else make_plan(p, layout, None, spec, args, kw, param=fqn)
+        plans.append((fqn, p, layout, spec, args, kw, plan))
+    scratch = _Scratch()
+    with torch.no_grad():
+        for fqn, p, layout, spec, args, kw, plan in plans:
+            if plan is not None:
+                if not p.is_meta and p.numel():
+                    execute(plan, p, scratch)
+            elif _is_dtensor(p):
+                _run(p, layout, None, spec, args, kw, param=fqn)
+    return module
