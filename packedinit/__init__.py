@@ -7,14 +7,19 @@ init function on its own.
 
 from __future__ import annotations
 
+from . import registry as _registry
+from .adapters import register_builtins as _register_builtins
 from .adapters.fused import fused_gate_up, fused_qkv
+from .api import ChunkedInit, chunked, chunked_init
 from .audit import AuditReport, BlockAudit, ParamAudit, Reference, audit
-from .engine import ChunkedInit, InitFn, InitSpec, chunked, chunked_init
 from .errors import PackedInitError
 from .layout import Chunks, Layout, LogicalBlock, logical_blocks
+from .plan import InitFn, InitSpec
 from .recipes import init_recurrent_, reset_parameters
 from .registry import Adapter, annotate, layouts, register, registered, unregister
 from .walk import init_model
+
+_registry.set_builtin_loader(_register_builtins)  # built-in adapters register on the registry's first use
 
 __version__ = "0.1.0"
 

@@ -404,7 +404,7 @@ def _apply(
     progress: Progress,
     stage: str,
 ) -> None:
-    from .engine import chunked_init
+    from .api import chunked_init
 
     items = list(_packed_items(model, layouts))
     kw = dict(ref.kwargs)

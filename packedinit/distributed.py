@@ -24,34 +24,26 @@ No communication.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 from torch import Tensor, nn
 
-from .engine import _DETERMINISTIC_FNS, Plan, _base, _check_tensor, _hashable_in, _Scratch, execute, make_plan
 from .errors import PackedInitError
-from .layout import Chunks, LogicalBlock, fmt_shape
+from .execute import LocalSink, Scratch, execute, fill_block
+from .layout import LogicalBlock, fmt_shape
+from .plan import Plan, Request, check_tensor, make_plan
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["global_params"]
+__all__ = ["global_params", "init_dtensor", "plan_dtensor", "write_planned", "DTensorPlan", "ShardSink"]
 
 
-def init_dtensor(
-    tensor: Tensor,
-    chunks: Chunks | None,
-    dim: int | None,
-    init_fn: Any,
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-    *,
-    param: str | None = None,
-    scratch: _Scratch | None = None,
-) -> None:
+def init_dtensor(req: Request, scratch: Scratch | None = None) -> None:
     r"""Initialise a DTensor (or an FSDP2 sharded parameter) per logical block, in place.
 
     What :func:`packedinit.chunked_init` does for a ``DTensor``: the plan is made
@@ -68,13 +60,8 @@ def init_dtensor(
     meta device is validated and left alone, as the engine does for meta tensors.
 
     Args:
-        tensor: a ``torch.distributed.tensor.DTensor`` (an FSDP2 parameter is one).
-        chunks: as for :func:`packedinit.chunked_init`.
-        dim: as for :func:`packedinit.chunked_init`.
-        init_fn: as for :func:`packedinit.chunked_init`.
-        args: positional arguments for ``init_fn``.
-        kwargs: keyword arguments for ``init_fn`` (``generator=`` included).
-        param: the parameter's name, for messages.
+        req: the request; ``req.tensor`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2
+            parameter is one), the rest as for :func:`packedinit.chunked_init`.
         scratch: a scratch buffer to share across calls (one is made when ``None``).
 
     Raises:
@@ -83,43 +70,29 @@ def init_dtensor(
             ``_StridedShard``, a non-default shard order); raised before the
             first write.
     """
-    write_planned(*plan_dtensor(tensor, chunks, dim, init_fn, args, kwargs, param=param), scratch)
+    write_planned(plan_dtensor(req), scratch)
 
 
-def write_planned(plan: Plan | None, local: Tensor, ranges: list[range] | None, scratch: _Scratch | None) -> None:
+#: What :func:`plan_dtensor` returns: (plan or None when nothing is written, local shard, global ranges).
+DTensorPlan: TypeAlias = tuple[Plan | None, Tensor, list[range] | None]
+
+
+def write_planned(planned: DTensorPlan, scratch: Scratch | None = None) -> None:
     """The writing half of :func:`init_dtensor`, for what :func:`plan_dtensor` returned.
 
     Lets a caller (the whole-model walk) check every parameter first and write after,
     without planning each DTensor twice.
     """
+    plan, local, ranges = planned
     if plan is None or local.is_meta:
         return
     if ranges is not None and tuple(len(r) for r in ranges) == tuple(plan.shape):
-        execute(plan, local, scratch)  # the whole tensor is local (Replicate): the engine's own path
+        execute(plan, LocalSink(local, plan.layout), scratch)  # the whole tensor is local (Replicate)
         return
-    with torch.no_grad():
-        todo = sum(1 for f in plan.fns if f is not None)
-        backup = local.clone() if not plan.verified and todo > 1 else None
-        try:
-            fill_local(plan, local, ranges, scratch)
-        except Exception as e:
-            if backup is not None:
-                local.copy_(backup)
-                if hasattr(e, "add_note"):
-                    e.add_note(f"packedinit: {plan.where()}: this rank's shard was restored.")
-            raise
+    execute(plan, ShardSink(local, ranges), scratch)
 
 
-def plan_dtensor(
-    tensor: Tensor,
-    chunks: Chunks | None,
-    dim: int | None,
-    init_fn: Any,
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-    *,
-    param: str | None = None,
-) -> tuple[Plan | None, Tensor, list[range] | None]:
+def plan_dtensor(req: Request) -> DTensorPlan:
     """Every check of :func:`init_dtensor`, nothing written: ``(plan, local shard, global ranges)``.
 
     ``plan`` is ``None`` when there is nothing to write; ``ranges`` is ``None`` on a
@@ -128,18 +101,19 @@ def plan_dtensor(
     """
     from torch.distributed.tensor import DTensor
 
+    tensor, param = req.tensor, req.param
     if not isinstance(tensor, DTensor):
         raise PackedInitError(f"{_where(param, tensor.shape)}: expected a DTensor, got {type(tensor).__name__}.")
     shape = tensor.shape
     meta = torch.empty(shape, dtype=tensor.dtype, device="meta")
-    plan = make_plan(meta, chunks, dim, init_fn, args, kwargs, param=param)
+    plan = make_plan(dataclasses.replace(req, tensor=meta))
     where = plan.where() if plan is not None else _where(param, shape)
     ranges = _local_ranges(tensor, where)
     with torch.no_grad():
         local = tensor.to_local()
     _check_local(tensor, local, ranges, where)
     if plan is not None:
-        _check_tensor(local, plan.generator, where)  # inference tensors, generator on another device
+        check_tensor(local, plan.generator, where)  # inference tensors, generator on another device
     return plan, local, ranges
 
 
@@ -214,26 +188,37 @@ def _local_ranges(tensor: DTensor, where: str) -> list[range] | None:
     return ranges
 
 
-def fill_local(plan: Plan, local: Tensor, ranges: Sequence[range] | None, scratch: _Scratch | None = None) -> None:
-    """Write into ``local`` the part of every block of ``plan`` that lies in ``ranges``.
+class ShardSink:
+    """One rank's shard of a DTensor: every drawing block is generated in full, the local part kept.
 
-    ``local`` is one rank's shard of a tensor of global shape ``plan.shape``:
+    ``local`` is the shard of a tensor of global shape ``plan.shape``:
     ``local[i0, i1, ...]`` holds global element ``[ranges[0][i0], ranges[1][i1], ...]``.
-    Every block that draws random numbers is generated in full (in block order, so
-    the RNG stream advances as in one process); blocks whose function draws nothing
-    are generated only when they intersect the shard. ``ranges=None`` (a rank
-    outside the mesh) writes nothing but still advances the RNG.
+    Every block that draws random numbers is generated in full (in block order, so the RNG
+    stream advances as in one process); blocks whose function draws nothing are generated
+    only when they intersect the shard. ``ranges=None`` (a rank outside the mesh) writes
+    nothing but still advances the RNG.
     """
-    scratch = scratch or _Scratch()
-    for block in plan.blocks:
-        fn = plan.fns[block.index]
-        if fn is None or block.numel == 0:
-            continue
-        target = None if ranges is None else _block_target(plan, block, local, ranges)
-        if target is None and _hashable_in(_base(fn), _DETERMINISTIC_FNS):
-            continue  # draws nothing: no need to generate what this rank does not hold
-        buf = scratch.get(block.shape, plan.dtype, local.device)
-        plan.fill_logical(block, buf)
+
+    __slots__ = ("device", "direct", "local", "ranges")
+
+    def __init__(self, local: Tensor, ranges: Sequence[range] | None) -> None:
+        self.local = local
+        self.ranges = ranges
+        self.device = local.device
+        self.direct = False
+
+    def backup(self) -> Tensor:
+        return self.local.detach().clone()
+
+    def restore(self, backup: Tensor) -> None:
+        self.local.copy_(backup)
+
+    def write(self, plan: Plan, block: LogicalBlock, fn: Callable[..., Tensor], scratch: Scratch) -> None:
+        target = None if self.ranges is None else _block_target(plan, block, self.local, self.ranges)
+        if target is None and not plan.draws(fn):
+            return  # draws nothing: no need to generate what this rank does not hold
+        buf = scratch.get(block.shape, plan.dtype, self.local.device)
+        fill_block(plan, block, fn, buf)
         if target is not None:
             _copy(plan, block, buf, target)
 

@@ -26,10 +26,12 @@ from torch.nn.init import (
 )
 
 from .adapters.torch_nn import LSTM_GATES, QKV, gate_layout, gate_names
-from .engine import InitSpec, Plan, _is_dtensor, _run, _Scratch, execute, make_plan
 from .errors import PackedInitError
 from .layout import Layout
-from .walk import _init_tree
+from .plan import InitSpec, Request
+from .run import run
+from .traits import is_dtensor
+from .walk import init_tree, plan_requests, run_steps
 
 __all__ = ["reset_parameters", "init_recurrent_"]
 
@@ -92,30 +94,30 @@ def _reset_mha(m: nn.MultiheadAttention, generator: torch.Generator | None) -> N
     if m._qkv_same_embed_dim:
         if m.in_proj_weight is not None:
             layout = Layout(0, (m.embed_dim,) * 3, names=QKV)
-            _run(m.in_proj_weight, layout, None, xavier_uniform_, (), kw, param="in_proj_weight")
+            run(Request(m.in_proj_weight, layout, None, xavier_uniform_, (), kw, "in_proj_weight"))
     else:
         for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
-            _run(getattr(m, name), None, None, xavier_uniform_, (), kw, param=name)
+            run(Request(getattr(m, name), None, None, xavier_uniform_, (), kw, name))
     if m.in_proj_bias is not None:
-        _run(m.in_proj_bias, None, None, constant_, (0.0,), {}, param="in_proj_bias")
+        run(Request(m.in_proj_bias, None, None, constant_, (0.0,), {}, "in_proj_bias"))
         if m.out_proj.bias is not None:
-            _run(m.out_proj.bias, None, None, constant_, (0.0,), {}, param="out_proj.bias")
+            run(Request(m.out_proj.bias, None, None, constant_, (0.0,), {}, "out_proj.bias"))
     for name in ("bias_k", "bias_v"):
         t = getattr(m, name)
         if t is not None:
-            _run(t, None, None, xavier_normal_, (), kw, param=name)
+            run(Request(t, None, None, xavier_normal_, (), kw, name))
 
 
 def _reset_linear_or_conv(m: nn.Linear | nn.modules.conv._ConvNd, generator: torch.Generator | None) -> None:
     """``Linear.reset_parameters`` / ``_ConvNd.reset_parameters``, through the engine (generator, DTensor)."""
     kw: dict[str, Any] = {"generator": generator} if generator is not None else {}
     w = m.weight
-    _run(w, None, None, kaiming_uniform_, (), {"a": math.sqrt(5), **kw}, param="weight")
+    run(Request(w, None, None, kaiming_uniform_, (), {"a": math.sqrt(5), **kw}, "weight"))
     b = m.bias
     if b is not None:
         fan_in = w.shape[1] * math.prod(w.shape[2:]) if w.dim() >= 2 else 0
         bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
-        _run(b, None, None, uniform_, (-bound, bound), kw, param="bias")
+        run(Request(b, None, None, uniform_, (-bound, bound), kw, "bias"))
 
 
 def _reset_recurrent(m: nn.RNNBase | nn.RNNCellBase, generator: torch.Generator | None) -> None:
@@ -124,12 +126,12 @@ def _reset_recurrent(m: nn.RNNBase | nn.RNNCellBase, generator: torch.Generator 
     h = m.hidden_size
     stdv = 1.0 / math.sqrt(h) if h > 0 else 0
     for name, p in m.named_parameters():
-        _run(p, None, None, uniform_, (-stdv, stdv), kw, param=name)
+        run(Request(p, None, None, uniform_, (-stdv, stdv), kw, name))
 
 
 def _reset_embedding(m: nn.Embedding, generator: torch.Generator | None) -> None:
     kw: dict[str, Any] = {"generator": generator} if generator is not None else {}
-    _run(m.weight, None, None, normal_, (), kw, param="weight")
+    run(Request(m.weight, None, None, normal_, (), kw, "weight"))
     _with_global_params(m, m._fill_padding_idx_with_zero)
 
 
@@ -141,7 +143,7 @@ def _with_global_params(m: nn.Module, step: Callable[[], None]) -> None:
     on the world size. Inside ``global_params`` every rank sees the global tensors and
     keeps its own shard of what was written.
     """
-    if any(_is_dtensor(t) for t in _own_tensors(m)):
+    if any(is_dtensor(t) for t in _own_tensors(m)):
         from .distributed import global_params
 
         with global_params(m):
@@ -228,7 +230,7 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
             plan.append((functools.partial(_reset_mha, m, gen), False))
         elif isinstance(m, nn.Transformer):
             kw: dict[str, Any] = {"generator": gen} if gen is not None else {}
-            plan.append((functools.partial(_init_tree, m, xavier_uniform_, (), kw), False))
+            plan.append((functools.partial(init_tree, m, xavier_uniform_, (), kw), False))
         elif replay is not None:
             plan.append((functools.partial(replay, m, gen), False))
         else:
@@ -350,16 +352,6 @@ def init_recurrent_(
             f"init_recurrent_: {type(module).__name__} contains no LSTM/GRU/RNN or LSTMCell/GRUCell/RNNCell; "
             f"use packedinit.chunked(fn)(module) for other modules."
         )
-    plans: list[tuple[str, Tensor, Layout | None, InitSpec, tuple[Any, ...], dict[str, Any], Plan | None]] = []
-    for fqn, p, layout, spec, args, kw in jobs:  # validate everything first: all or nothing
-        plan = None if _is_dtensor(p) else make_plan(p, layout, None, spec, args, kw, param=fqn)
-        plans.append((fqn, p, layout, spec, args, kw, plan))
-    scratch = _Scratch()
-    with torch.no_grad():
-        for fqn, p, layout, spec, args, kw, plan in plans:
-            if plan is not None:
-                if not p.is_meta and p.numel():
-                    execute(plan, p, scratch)
-            elif _is_dtensor(p):
-                _run(p, layout, None, spec, args, kw, param=fqn)
+    # validate everything first (all or nothing), then write
+    run_steps(plan_requests(Request(p, layout, None, spec, args, kw, fqn) for fqn, p, layout, spec, args, kw in jobs))
     return module

@@ -7,12 +7,12 @@ created ``FSDP<Name>`` classes, are covered. :func:`annotate` marks a single ins
 beats any adapter. :func:`layouts` resolves a whole model once.
 
 Built-in adapters (:mod:`packedinit.adapters`) are registered lazily, on the first lookup,
-registration or listing.
+registration or listing, through the loader the package installs with
+:func:`set_builtin_loader` (the registry never imports the adapters: they import it).
 """
 
 from __future__ import annotations
 
-import importlib
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +34,9 @@ __all__ = [
     "lookup",
     "class_path",
     "annotations_of",
+    "resolve",
+    "own_layouts",
+    "set_builtin_loader",
 ]
 
 #: An adapter: ``fn(module) -> {param name relative to module: Layout}``.
@@ -69,12 +72,20 @@ _lock = threading.RLock()
 _table = _table_of({}, {})
 _builtins_loaded = False
 _builtins_loader: int | None = None  # thread id while the built-ins are being registered
+_builtin_loader: Callable[[], None] | None = None
+
+
+def set_builtin_loader(loader: Callable[[], None]) -> None:
+    """Install the function that registers the built-in adapters on first use (``packedinit`` does this)."""
+    global _builtin_loader
+    _builtin_loader = loader
 
 
 def _ensure_builtins() -> None:
     """Register :mod:`packedinit.adapters` once (re-entrant for the loading thread)."""
     global _builtins_loaded, _builtins_loader, _table
-    if _builtins_loaded or _builtins_loader == threading.get_ident():
+    loader = _builtin_loader
+    if _builtins_loaded or _builtins_loader == threading.get_ident() or loader is None:
         return
     with _lock:
         if _builtins_loaded:
@@ -82,7 +93,7 @@ def _ensure_builtins() -> None:
         _builtins_loader = threading.get_ident()
         before = _table
         try:
-            importlib.import_module("packedinit.adapters")._register_builtins()
+            loader()
             _builtins_loaded = True
         except BaseException:
             _table = before  # all or nothing: a failed load leaves no half-registered built-ins
@@ -389,7 +400,7 @@ def _decide(claims: list[_Claim], fqn: str) -> Layout | None:
     return first.layout
 
 
-def _resolve(model: nn.Module) -> list[tuple[str, Tensor, Layout | None]]:
+def resolve(model: nn.Module) -> list[tuple[str, Tensor, Layout | None]]:
     """Every distinct parameter of ``model`` in ``named_parameters()`` order, with its layout or None."""
     _ensure_builtins()
     cache = _table.cache
@@ -443,7 +454,7 @@ def layouts(model: nn.Module) -> dict[str, Layout]:
     """
     if not isinstance(model, nn.Module):
         raise PackedInitError(f"layouts(model) needs an nn.Module, got {type(model).__name__}.")
-    return {name: layout for name, _, layout in _resolve(model) if layout is not None}
+    return {name: layout for name, _, layout in resolve(model) if layout is not None}
 
 
 def annotate(module: Mod, **param_layouts: Layout | None) -> Mod:
@@ -496,7 +507,7 @@ def annotate(module: Mod, **param_layouts: Layout | None) -> Mod:
             stamps.setdefault(id(owner), (owner, {}))[1][leaf] = layout
     else:
         owners = {id(p): (m, n) for m in module.modules() for n, p in m._parameters.items() if p is not None}
-        for _, p, layout in _resolve(module):
+        for _, p, layout in resolve(module):
             if layout is not None:
                 owner, leaf = owners[id(p)]
                 stamps.setdefault(id(owner), (owner, {}))[1][leaf] = layout
@@ -511,7 +522,7 @@ def annotations_of(module: nn.Module) -> Mapping[str, Layout | None]:
     return MappingProxyType(dict(module.__dict__.get(_ANNOTATIONS) or {}))
 
 
-def _own_layouts(module: nn.Module, ancestors: Sequence[nn.Module]) -> dict[int, Layout | None]:
+def own_layouts(module: nn.Module, ancestors: Sequence[nn.Module]) -> dict[int, Layout | None]:
     """Layouts of ``module``'s own parameters (``recurse=False``), keyed by ``id(param)``.
 
     Sources: ``module``'s annotations and adapter, and the adapters of ``ancestors``

@@ -18,150 +18,119 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
-from .engine import Plan, _fn_name, _is_dtensor, _run, _run_single, _Scratch, execute, make_plan
+from .distributed import DTensorPlan, plan_dtensor, write_planned
 from .errors import PackedInitError
+from .execute import LocalSink, Scratch, execute, run_whole
 from .layout import Chunks, Layout
-from .registry import _own_layouts, _resolve
+from .plan import Plan, Request, make_plan
+from .registry import own_layouts, resolve
+from .traits import fn_name, is_dtensor
 
-__all__ = ["init_model"]
+__all__ = [
+    "init_model",
+    "init_tree",
+    "module_call",
+    "apply_ancestors",
+    "plan_steps",
+    "plan_requests",
+    "run_steps",
+    "Step",
+]
 
 _APPLY_CODE = nn.Module.apply.__code__
 
-#: (init fn, shape, dtype, device) that passed validation with no extra arguments, so that
-#: ``model.apply(chunked(f))`` (one call per module, never with arguments) validates each
-#: distinct shape once. The outcome depends only on the key; bounded, so it cannot grow.
-_GOOD: dict[tuple[object, ...], None] = {}
-_GOOD_MAX = 1024
+
+@dataclass(frozen=True)
+class Step:
+    """One validated write of a whole-model call: a local plan, or a DTensor's plan and shard."""
+
+    req: Request
+    plan: Plan | None = None
+    dtensor: DTensorPlan | None = None
+    lean: bool = False  # an unpacked plain tensor: init_fn may be called on it directly
 
 
-def _good_key(fn: Callable[..., Tensor], p: Tensor) -> tuple[object, ...] | None:
-    if p.is_inference():  # whether it may be written depends on the inference mode of the call
-        return None
-    key = (fn, p.shape, p.dtype, p.device)
-    try:
-        hash(key)
-    except TypeError:  # an unhashable callable object
-        return None
-    return key
-
-
-def _known_good(fn: Callable[..., Tensor], p: Tensor) -> bool:
-    key = _good_key(fn, p)
-    return key is not None and key in _GOOD
-
-
-def _remember_good(fn: Callable[..., Tensor], p: Tensor) -> None:
-    key = _good_key(fn, p)
-    if key is not None:
-        if len(_GOOD) >= _GOOD_MAX:
-            _GOOD.clear()  # simple and safe under threads; refilled on the next calls
-        _GOOD[key] = None
-
-
-#: What distributed.plan_dtensor returns for a DTensor: (plan, local shard, global ranges).
-_DTensorPlan = tuple[Plan | None, Tensor, list[range] | None]
-#: One write: (qualified name, tensor, its layout or None, a validated plan for packed plain tensors,
-#: whether it is a plain unpacked tensor that init_fn may be called on directly, a DTensor's plan).
-_Step = tuple[str, Tensor, Layout | None, Plan | None, bool, _DTensorPlan | None]
-
-
-def _plan_steps(
+def plan_steps(
     entries: Iterable[tuple[str, Tensor, Layout | None]],
     init_fn: Callable[..., Tensor],
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
     *,
     min_dim: int = 2,
-) -> list[_Step]:
+) -> list[Step]:
     """Validate every entry with ``dim >= min_dim`` before anything is written; return what to write, in order.
 
-    A packed tensor gets its own plan. Unpacked tensors are checked once per distinct
-    (shape, dtype[, device when a generator is given]): the tensor checks on the real
-    tensor, and a dry run of ``init_fn`` on a meta tensor of that shape, so that a
-    rejection comes before any write.
+    Every tensor gets every check of its own (its memory, dtype, generator device); the
+    dry run of ``init_fn`` on each distinct block shape is cached, so validating a large
+    model costs little more than one check per parameter.
     """
-    steps: list[_Step] = []
-    seen: set[tuple[object, ...]] = set()
-    by_device = "generator" in kwargs
-    cacheable = not args and not kwargs
-    for name, p, layout in entries:
+    return plan_requests(
+        Request(p, layout, None, init_fn, args, kwargs, name)
+        for name, p, layout in entries
         # A layout's batch dims index independent blocks: a stacked (n_experts, 2I) bias holds
         # 1-D blocks and is skipped like any bias, although its stored ndim is 2.
-        if p.dim() - (layout.batch_dims if layout is not None else 0) < min_dim:
-            continue
-        tp = type(p)
-        if tp is not nn.Parameter and tp is not Tensor and _is_dtensor(p):
-            from .distributed import plan_dtensor
+        if p.dim() - (layout.batch_dims if layout is not None else 0) >= min_dim
+    )
 
+
+def plan_requests(reqs: Iterable[Request]) -> list[Step]:
+    """Validate every request before anything is written; return the steps that write, in order."""
+    steps: list[Step] = []
+    for req in reqs:
+        p, layout = req.tensor, req.chunks
+        if is_dtensor(p):
             # every check now, so that the whole model stays all-or-nothing; written by the distributed path
-            dtensor_plan = plan_dtensor(p, layout, None, init_fn, args, kwargs, param=name)
-            steps.append((name, p, layout, None, False, dtensor_plan))
-        elif layout is not None:
-            plan = make_plan(p, layout, None, init_fn, args, kwargs, param=name)
-            if plan is not None and not p.is_meta and p.numel():
-                steps.append((name, p, layout, plan, False, None))
-        else:
-            key = (p.shape, p.dtype, p.device) if by_device else (p.shape, p.dtype)
-            if key not in seen:
-                seen.add(key)
-                if not (cacheable and _known_good(init_fn, p)):
-                    make_plan(p, None, None, init_fn, args, kwargs, param=name)
-                    if not p.is_meta:
-                        meta = torch.empty(p.shape, dtype=p.dtype, device="meta")
-                        make_plan(meta, None, None, init_fn, args, kwargs, param=name)
-                    if cacheable:
-                        _remember_good(init_fn, p)
-            steps.append((name, p, None, None, True, None))
+            steps.append(Step(req, dtensor=plan_dtensor(req)))
+            continue
+        plan = make_plan(req, full=True)
+        if plan is not None and not p.is_meta and p.numel():
+            steps.append(Step(req, plan=plan, lean=layout is None and req.dim is None))
     return steps
 
 
-def _run_steps(
-    steps: Sequence[_Step],
-    init_fn: Callable[..., Tensor],
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-) -> None:
-    scratch = _Scratch()
-    for name, p, layout, plan, plain, dtensor_plan in steps:
-        if plan is not None:
-            execute(plan, p, scratch)
-        elif dtensor_plan is not None:
-            from .distributed import write_planned
-
-            write_planned(*dtensor_plan, scratch)
-        elif not (plain and _run_single(p, init_fn, args, kwargs, name)):
-            # an unpacked tensor the engine's lean path (exactly init_fn(p, ...)) declines
-            _run(p, layout, None, init_fn, args, kwargs, param=name, scratch=scratch)
+def run_steps(steps: Sequence[Step], scratch: Scratch | None = None) -> None:
+    """Write what :func:`plan_steps` validated, in order, sharing one scratch buffer."""
+    scratch = scratch or Scratch()
+    for step in steps:
+        if step.dtensor is not None:
+            write_planned(step.dtensor, scratch)
+        elif step.plan is not None:
+            fn = step.req.init_fn
+            if not (step.lean and callable(fn) and run_whole(step.req, fn)):
+                execute(step.plan, LocalSink(step.req.tensor, step.plan.layout), scratch)
 
 
-def _init_tree(
+def init_tree(
     model: nn.Module,
     init_fn: Callable[..., Tensor],
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
 ) -> None:
-    _run_steps(_plan_steps(_resolve(model), init_fn, args, kwargs), init_fn, args, kwargs)
+    """Every distinct parameter with ``dim >= 2`` of ``model``, packed ones per block; all checked first."""
+    run_steps(plan_steps(resolve(model), init_fn, args, kwargs))
 
 
-def _apply_ancestors(module: nn.Module) -> list[nn.Module]:
-    """The modules ``nn.Module.apply`` is visiting ``module`` from, nearest first (read from the call stack)."""
-    f: FrameType | None = sys._getframe(2)
-    for _ in range(16):  # find the apply frame that is calling fn(module)
-        if f is None:
-            return []
-        if f.f_code is _APPLY_CODE and f.f_locals.get("self") is module:
-            break
-        f = f.f_back
-    else:
-        return []
+def apply_ancestors(module: nn.Module, depth: int = 1) -> list[nn.Module] | None:
+    """The modules ``nn.Module.apply`` is visiting ``module`` from, nearest first; ``None`` if not from apply.
+
+    This is the one place packedinit reads interpreter frames: ``nn.Module.apply(fn)`` calls
+    ``fn(module)`` children first and passes nothing else, so an init function called from it
+    cannot otherwise know that it owns only ``module``'s own parameters, nor which ancestors'
+    adapters describe them. ``depth`` is how many frames above this function's caller the call
+    from ``apply`` is (1: the caller itself was called by ``apply``). Tested on torch 2.5-2.13,
+    where ``apply`` is ``for m in self.children(): m.apply(fn)`` then ``fn(self)``.
+    """
+    f: FrameType | None = sys._getframe(depth + 1)
+    if f is None or f.f_code is not _APPLY_CODE or f.f_locals.get("self") is not module:
+        return None
     out: list[nn.Module] = []
-    f = f.f_back if f is not None else None
+    f = f.f_back
     while f is not None and f.f_code is _APPLY_CODE:
         parent = f.f_locals.get("self")
         if isinstance(parent, nn.Module):
@@ -172,6 +141,7 @@ def _apply_ancestors(module: nn.Module) -> list[nn.Module]:
 
 def _init_own(
     module: nn.Module,
+    ancestors: Sequence[nn.Module],
     init_fn: Callable[..., Tensor],
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
@@ -179,13 +149,13 @@ def _init_own(
     own = [(n, p) for n, p in module._parameters.items() if p is not None and p.dim() >= 2]
     if not own:
         return
-    lays = _own_layouts(module, _apply_ancestors(module))
+    lays = own_layouts(module, ancestors)
     prefix = type(module).__name__
     entries = [(f"{prefix}.{n}", p, lays.get(id(p))) for n, p in own]
-    _run_steps(_plan_steps(entries, init_fn, args, kwargs), init_fn, args, kwargs)
+    run_steps(plan_steps(entries, init_fn, args, kwargs))
 
 
-def _module_call(
+def module_call(
     module: nn.Module,
     init_fn: Callable[..., Tensor],
     chunks: Chunks | None,
@@ -193,20 +163,20 @@ def _module_call(
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
     *,
-    from_apply: bool,
+    ancestors: Sequence[nn.Module] | None,
 ) -> None:
-    """``chunked(f)(module)``: the whole tree, or (from ``nn.Module.apply``) the module's own parameters."""
+    """``chunked(f)(module)``: the whole tree, or (``ancestors`` given: from ``nn.Module.apply``) its own parameters."""
     if chunks is not None or dim is not None:
         raise PackedInitError(
-            f"chunked({_fn_name(init_fn)}, chunks={chunks!r}, dim={dim!r}) was called on a "
+            f"chunked({fn_name(init_fn)}, chunks={chunks!r}, dim={dim!r}) was called on a "
             f"{type(module).__name__}; chunks/dim describe one tensor. For a module, layouts come from "
-            f"adapters and annotations: use chunked({_fn_name(init_fn)})(module) and "
+            f"adapters and annotations: use chunked({fn_name(init_fn)})(module) and "
             f"packedinit.annotate(module, name=Layout(...)) for parameters no adapter knows."
         )
-    if from_apply:
-        _init_own(module, init_fn, args, kwargs)
+    if ancestors is not None:
+        _init_own(module, ancestors, init_fn, args, kwargs)
     else:
-        _init_tree(module, init_fn, args, kwargs)
+        init_tree(module, init_fn, args, kwargs)
 
 
 def init_model(model: nn.Module, init_fn: Callable[..., Tensor], *args: Any, **kwargs: Any) -> nn.Module:
@@ -238,6 +208,7 @@ def init_model(model: nn.Module, init_fn: Callable[..., Tensor], *args: Any, **k
             parameter or block; raised before anything is written.
 
     Examples:
+        >>> import torch
         >>> from torch.nn.init import xavier_uniform_
         >>> model = torch.nn.TransformerEncoderLayer(d_model=16, nhead=4)
         >>> _ = init_model(model, xavier_uniform_, generator=torch.Generator().manual_seed(0))
@@ -250,5 +221,5 @@ def init_model(model: nn.Module, init_fn: Callable[..., Tensor], *args: Any, **k
         raise PackedInitError(f"init_model(model, ...) needs an nn.Module, got {type(model).__name__}.")
     if not callable(init_fn):
         raise PackedInitError(f"init_model(model, init_fn): init_fn must be callable, got {type(init_fn).__name__}.")
-    _init_tree(model, init_fn, args, kwargs)
+    init_tree(model, init_fn, args, kwargs)
     return model

@@ -22,7 +22,9 @@ from torch import Tensor, nn
 from torch.nn import init
 
 from packedinit import Layout, PackedInitError, chunked, chunked_init
-from packedinit.engine import _Scratch, _sparse_, execute, make_plan
+from packedinit.execute import LocalSink, Scratch, execute
+from packedinit.plan import Request, make_plan
+from packedinit.traits import sparse_ as _sparse_
 
 Shape = tuple[int, ...]
 
@@ -726,13 +728,13 @@ def test_other_blocks_go_through_one_reused_scratch_buffer(kind: Kind) -> None:
 
 
 def test_scratch_is_shared_across_calls() -> None:
-    scratch = _Scratch()
+    scratch = Scratch()
     spy = Spy()
     for _ in range(3):
         w = torch.empty(4, 12)
-        plan = make_plan(w, 3, 1, spy, (), {})
+        plan = make_plan(Request(w, 3, 1, spy))
         assert plan is not None
-        execute(plan, w, scratch)
+        execute(plan, LocalSink(w, plan.layout), scratch)
     assert len(spy.calls) == 9
     assert len({p for p, _, _ in spy.calls}) == 1
 

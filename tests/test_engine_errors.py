@@ -549,15 +549,16 @@ def test_unpacked_inference_tensor_is_exactly_torch() -> None:
 
 
 def test_parameter_name_is_in_the_message() -> None:
-    from packedinit.engine import _run
+    from packedinit.plan import Request
+    from packedinit.run import run
 
     t = seeded(10, 4)
     with pytest.raises(PackedInitError, match=r"parameter 'attn\.in_proj_weight' of shape \(10, 4\)"):
-        _run(t, 3, 0, init.xavier_uniform_, (), {}, param="attn.in_proj_weight")
+        run(Request(t, 3, 0, init.xavier_uniform_, (), {}, "attn.in_proj_weight"))
     with pytest.raises(PackedInitError, match=r"parameter 'lstm\.bias' of shape \(8,\) with Layout"):
-        _run(seeded(8), 2, 0, init.xavier_uniform_, (), {}, param="lstm.bias")
+        run(Request(seeded(8), 2, 0, init.xavier_uniform_, (), {}, "lstm.bias"))
     with pytest.raises(PackedInitError, match=r"parameter 'fc\.bias' of shape \(8,\): torch\.nn\.init\.xavier"):
-        _run(seeded(8), None, None, init.xavier_uniform_, (), {}, param="fc.bias")
+        run(Request(seeded(8), None, None, init.xavier_uniform_, (), {}, "fc.bias"))
 
 
 def test_errors_are_not_swallowed() -> None:

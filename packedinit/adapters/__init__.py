@@ -1,7 +1,8 @@
 """Built-in adapters (torch.nn, transformers-style fused layers by class path) and user helpers.
 
-Importing this package registers nothing. The registry calls :func:`_register_builtins`
-once, on its first lookup, registration or listing, so ``import packedinit`` stays cheap
+Importing this package registers nothing. ``packedinit`` hands :func:`register_builtins` to
+the registry (:func:`packedinit.registry.set_builtin_loader`), which calls it once, on its
+first lookup, registration or listing, so ``import packedinit`` stays cheap
 and third-party packages are never imported. A built-in adapter module either defines
 ``ADAPTERS: Mapping[type | str, Adapter]`` (registered here, in order) or registers its
 adapters itself with ``@packedinit.register(...)`` when it is imported.
@@ -13,7 +14,7 @@ import importlib
 from collections.abc import Mapping
 from types import ModuleType
 
-__all__: list[str] = []
+__all__ = ["BUILTIN_MODULES", "register_builtins"]
 
 #: The built-in adapter modules, in registration order.
 BUILTIN_MODULES = ("packedinit.adapters.torch_nn", "packedinit.adapters.hf")
@@ -28,7 +29,7 @@ def _import_optional(name: str) -> ModuleType | None:
         return None
 
 
-def _register_builtins() -> None:
+def register_builtins() -> None:
     """Import every built-in adapter module and register its ``ADAPTERS`` table."""
     from ..registry import register
 

@@ -1,0 +1,189 @@
+"""The front door: ``chunked_init`` and ``chunked``, dispatching tensor vs DTensor vs module.
+
+Plan first (pure, validated, nothing written), then apply: see :mod:`packedinit.plan` and
+:mod:`packedinit.execute`. An unpacked tensor (``chunks=None`` or ``chunks=1``) takes a
+lean path: the init function is called on the tensor itself, exactly as a plain call would.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any, Concatenate, ParamSpec, Protocol, overload
+
+from torch import Tensor, nn
+
+from .errors import PackedInitError
+from .execute import PLAIN_TYPES, lean_call
+from .layout import Chunks, Layout, is_int
+from .plan import InitSpec, Request
+from .run import run
+from .traits import LEAN
+from .walk import apply_ancestors, module_call
+
+__all__ = ["chunked_init", "chunked", "ChunkedInit"]
+
+P = ParamSpec("P")
+
+
+def chunked_init(
+    tensor: Tensor,
+    chunks: Chunks | None = None,
+    dim: int | None = None,
+    init_fn: InitSpec | None = None,
+    *args: Any,
+    **init_kwargs: Any,
+) -> Tensor:
+    r"""Fill a packed tensor in place, running ``init_fn`` once per logical block.
+
+    Each block is handed to ``init_fn`` as a tensor of its own logical shape
+    ``(out, in, *rest)``, so fan-dependent functions (``xavier_*``, ``kaiming_*``,
+    ``orthogonal_``, ``eye_``, ``dirac_``, ``sparse_``) compute the fans of the
+    block, not of the packed tensor. Blocks are filled in block order from one
+    RNG stream: on CPU the result is bit-identical to initialising the separate
+    logical tensors one after another with the same seed, then packing them.
+
+    For ``nn.MultiheadAttention.in_proj_weight`` of shape :math:`(3E, E)`,
+    ``xavier_uniform_`` on the packed tensor draws from
+    :math:`\mathcal{U}(-a, a)` with :math:`a = \sqrt{6 / (3E + E)}`; per block it is
+    :math:`a = \sqrt{6 / (E + E)}`, :math:`\sqrt{2}` times larger.
+
+    Args:
+        tensor: the packed tensor (a parameter, any device; meta tensors are
+            validated and left alone).
+        chunks: a number of equal blocks, a list of block sizes, or a
+            :class:`~packedinit.Layout`. ``None`` (or ``1``) means one block: the
+            call is then exactly ``init_fn(tensor, *args, **init_kwargs)``.
+        dim: the packed dim for int/list chunks (default 0); ``None`` with a Layout.
+        init_fn: the init function; or one per block (``None`` skips a block); or a
+            mapping from block name (or part index) to function, leaving the others
+            untouched.
+        *args: positional arguments forwarded to ``init_fn`` after the tensor.
+        **init_kwargs: keyword arguments forwarded to ``init_fn``. ``generator=``
+            is passed to every function that draws; the global RNG is then untouched.
+
+    Returns:
+        ``tensor`` itself.
+
+    Raises:
+        PackedInitError: bad chunks/layout/functions/dtype, or an init function that
+            rejects a block's shape or its arguments; raised before anything is written.
+
+    Examples:
+        >>> import torch
+        >>> from torch.nn.init import xavier_uniform_, zeros_, ones_
+        >>> mha = torch.nn.MultiheadAttention(64, 8)
+        >>> w = chunked_init(mha.in_proj_weight, 3, 0, xavier_uniform_)
+        >>> bool(w.abs().max() <= (6 / (64 + 64)) ** 0.5)
+        True
+        >>> H = 4
+        >>> b = torch.empty(4 * H)
+        >>> _ = chunked_init(b, Layout(0, [H] * 4, names=("i", "f", "g", "o")), init_fn={"f": ones_, "i": zeros_})
+        >>> b[:2 * H].tolist()
+        [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+        >>> chunked_init(torch.empty(10, 4), 3, 0, xavier_uniform_)
+        Traceback (most recent call last):
+        ...
+        packedinit.errors.PackedInitError: tensor of shape (10, 4): dim 0 has length 10, which 3 equal chunks ...
+    """
+    run(Request(tensor, chunks, dim, init_fn, args, init_kwargs))
+    return tensor
+
+
+
+class ChunkedInit(Protocol[P]):
+    """What :func:`chunked` returns: the init function's own signature, for tensors and modules."""
+
+    @overload
+    def __call__(self, tensor: Tensor, /, *args: P.args, **kwargs: P.kwargs) -> Tensor: ...
+
+    @overload
+    def __call__(self, module: nn.Module, /, *args: P.args, **kwargs: P.kwargs) -> None: ...
+
+    def __call__(self, target: Tensor | nn.Module, /, *args: P.args, **kwargs: P.kwargs) -> Tensor | None: ...
+
+
+def _check_chunks_arg(chunks: Chunks | None, dim: int | None) -> Chunks | None:
+    """Type checks of ``chunked``'s arguments (shape checks happen per call); lists become tuples."""
+    if dim is not None and not is_int(dim):
+        raise PackedInitError(f"chunked(dim={dim!r}): dim must be an int (or None).")
+    if chunks is None or isinstance(chunks, Layout):
+        return chunks
+    if is_int(chunks):
+        if operator.index(chunks) < 1:
+            raise PackedInitError(f"chunked(chunks={chunks!r}): chunks must be a positive number of blocks.")
+        return operator.index(chunks)
+    if isinstance(chunks, Sequence) and not isinstance(chunks, (str, bytes)):
+        sizes = tuple(chunks)
+        if not sizes or not all(is_int(s) and operator.index(s) > 0 for s in sizes):
+            raise PackedInitError(f"chunked(chunks={chunks!r}): sizes must be a non-empty list of positive ints.")
+        return sizes
+    raise PackedInitError(
+        f"chunked(chunks={chunks!r}): chunks must be an int, a sequence of sizes or a Layout, "
+        f"got {type(chunks).__name__}."
+    )
+
+
+def chunked(
+    init_fn: Callable[Concatenate[Tensor, P], Tensor],
+    chunks: Chunks | None = None,
+    dim: int | None = None,
+) -> ChunkedInit[P]:
+    r"""Wrap an init function so that it initialises per logical block.
+
+    The result has ``init_fn``'s own signature (and name and docstring). Called on
+    a tensor it runs :func:`chunked_init` with ``chunks``/``dim``; with neither it
+    treats the tensor as one block and behaves exactly as ``init_fn``. Called on an
+    ``nn.Module`` it initialises the module's parameters, packed ones per block
+    (see :func:`packedinit.init_model`).
+
+    Args:
+        init_fn: any ``fn(tensor, *args, **kwargs) -> tensor`` init function.
+        chunks: a number of equal blocks, a list of sizes, or a Layout.
+        dim: the packed dim for int/list chunks (default 0).
+
+    Returns:
+        A function with ``init_fn``'s signature that fills a tensor per block and
+        returns it (or initialises a module's parameters and returns ``None``).
+
+    Raises:
+        PackedInitError: ``init_fn`` is not callable or ``chunks``/``dim`` have the
+            wrong type; shape errors are raised when the result is called.
+
+    Examples:
+        >>> import torch
+        >>> from torch.nn.init import xavier_uniform_
+        >>> init = chunked(xavier_uniform_, 3)
+        >>> w = init(torch.empty(24, 8), gain=2.0)
+        >>> w.shape
+        torch.Size([24, 8])
+        >>> init.__name__
+        'xavier_uniform_'
+    """
+    if not callable(init_fn):
+        raise PackedInitError(f"chunked(init_fn=...) needs a function, got {type(init_fn).__name__}.")
+    chunks = _check_chunks_arg(chunks, dim)
+    try:
+        lean = LEAN.get(init_fn) if chunks is None and dim is None else None
+    except TypeError:  # an unhashable callable object
+        lean = None
+    fast = lean is not None  # the lean path of _run_single, inlined: an unpacked tensor and a torch.nn.init function
+    skip_empty, takes_generator = lean if lean is not None else (False, False)
+    tensor_types = PLAIN_TYPES
+
+    @functools.wraps(init_fn)
+    def wrapper(target: Any, /, *args: Any, **kwargs: Any) -> Any:
+        if fast and type(target) in tensor_types and (takes_generator or not kwargs or "generator" not in kwargs):
+            if not (skip_empty and target.numel() == 0):
+                lean_call(Request(target, None, None, init_fn, args, kwargs), init_fn)
+            return target
+        if isinstance(target, nn.Module):
+            # `model.apply(chunked(f))` calls us once per submodule: then each call owns only
+            # the module's own parameters (see walk.apply_ancestors); a direct call owns the whole tree.
+            module_call(target, init_fn, chunks, dim, args, kwargs, ancestors=apply_ancestors(target))
+            return None
+        run(Request(target, chunks, dim, init_fn, args, kwargs))
+        return target
+
+    return wrapper
