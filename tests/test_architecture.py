@@ -30,7 +30,8 @@ def _imports(path: Path) -> list[tuple[int, str, str]]:
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: p.relative_to(PKG).as_posix())
 def test_no_private_name_is_imported_from_another_module(path: Path) -> None:
-    bad = [f"{path.name}:{line} from {mod} import {name}" for line, mod, name in _imports(path) if name.startswith("_") and not name.endswith("__")]
+    imports = _imports(path)
+    bad = [f"{path.name}:{n} from {m} import {name}" for n, m, name in imports if name.startswith("_") and name[-2:] != "__"]
     assert not bad, bad
 
 
@@ -43,6 +44,6 @@ def test_the_layer_contract_names_every_module() -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     (contract,) = config["tool"]["importlinter"]["contracts"]
     layers = {name.strip() for layer in contract["layers"] for name in layer.split("|")}
-    top = {p.stem if p.is_file() else p.name for p in PKG.iterdir() if (p.suffix == ".py" or (p / "__init__.py").is_file())}
+    top = {p.stem for p in PKG.glob("*.py")} | {p.parent.name for p in PKG.glob("*/__init__.py")}
     top -= {"__init__", "__main__"}
     assert top == layers, f"unlisted: {sorted(top - layers)}; stale: {sorted(layers - top)}"
