@@ -31,7 +31,8 @@ def _imports(path: Path) -> list[tuple[int, str, str]]:
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: p.relative_to(PKG).as_posix())
 def test_no_private_name_is_imported_from_another_module(path: Path) -> None:
     imports = _imports(path)
-    bad = [f"{path.name}:{n} from {m} import {name}" for n, m, name in imports if name.startswith("_") and name[-2:] != "__"]
+    private = [(n, m, name) for n, m, name in imports if name.startswith("_") and not name.endswith("__")]
+    bad = [f"{path.name}:{n} from {m} import {name}" for n, m, name in private]
     assert not bad, bad
 
 
