@@ -15,11 +15,10 @@ from typing import Any, Concatenate, ParamSpec, Protocol, overload
 from torch import Tensor, nn
 
 from .errors import PackedInitError
-from .execute import PLAIN_TYPES, lean_call
+from .execute import PLAIN_TYPES, lean_call, lean_flags, lean_ok
 from .layout import Chunks, Layout, is_int
 from .plan import InitSpec, Request
 from .run import run
-from .traits import LEAN
 from .walk import apply_ancestors, module_call
 
 __all__ = ["chunked_init", "chunked", "ChunkedInit"]
@@ -87,7 +86,10 @@ def chunked_init(
         ...
         packedinit.errors.PackedInitError: tensor of shape (10, 4): dim 0 has length 10, which 3 equal chunks ...
     """
-    run(Request(tensor, chunks, dim, init_fn, args, init_kwargs))
+    if chunks is None and dim is None and type(tensor) in PLAIN_TYPES and lean_ok(init_fn, init_kwargs):
+        lean_call(tensor, init_fn, args, init_kwargs)  # type: ignore[arg-type]  # lean_ok: a torch.nn.init function
+    else:
+        run(Request(tensor, chunks, dim, init_fn, args, init_kwargs))
     return tensor
 
 
@@ -164,10 +166,7 @@ def chunked(
     if not callable(init_fn):
         raise PackedInitError(f"chunked(init_fn=...) needs a function, got {type(init_fn).__name__}.")
     chunks = _check_chunks_arg(chunks, dim)
-    try:
-        lean = LEAN.get(init_fn) if chunks is None and dim is None else None
-    except TypeError:  # an unhashable callable object
-        lean = None
+    lean = lean_flags(init_fn) if chunks is None and dim is None else None
     fast = lean is not None  # the lean path of _run_single, inlined: an unpacked tensor and a torch.nn.init function
     skip_empty, takes_generator = lean if lean is not None else (False, False)
     tensor_types = PLAIN_TYPES
@@ -176,7 +175,7 @@ def chunked(
     def wrapper(target: Any, /, *args: Any, **kwargs: Any) -> Any:
         if fast and type(target) in tensor_types and (takes_generator or not kwargs or "generator" not in kwargs):
             if not (skip_empty and target.numel() == 0):
-                lean_call(Request(target, None, None, init_fn, args, kwargs), init_fn)
+                lean_call(target, init_fn, args, kwargs)
             return target
         if isinstance(target, nn.Module):
             # `model.apply(chunked(f))` calls us once per submodule: then each call owns only

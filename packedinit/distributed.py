@@ -213,6 +213,12 @@ class ShardSink:
     def restore(self, backup: Tensor) -> None:
         self.local.copy_(backup)
 
+    def runs(self, plan: Plan, todo: list[LogicalBlock]) -> list[tuple[LogicalBlock, ...]]:
+        return [(b,) for b in todo]
+
+    def write_run(self, plan: Plan, run: tuple[LogicalBlock, ...]) -> None:
+        raise AssertionError("ShardSink.runs makes runs of one block only")
+
     def write(self, plan: Plan, block: LogicalBlock, fn: Callable[..., Tensor], scratch: Scratch) -> None:
         target = None if self.ranges is None else _block_target(plan, block, self.local, self.ranges)
         if target is None and not plan.draws(fn):

@@ -15,8 +15,8 @@ from __future__ import annotations
 import functools
 import math
 import types
-from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -40,7 +40,19 @@ from .traits import (
     who,
 )
 
-__all__ = ["Scratch", "RngState", "Sink", "LocalSink", "execute", "fill_block", "run_whole", "lean_call", "PLAIN_TYPES"]
+__all__ = [
+    "Scratch",
+    "RngState",
+    "Sink",
+    "LocalSink",
+    "execute",
+    "fill_block",
+    "run_whole",
+    "lean_call",
+    "lean_flags",
+    "lean_ok",
+    "PLAIN_TYPES",
+]
 
 _init = torch.nn.init
 PLAIN_TYPES = (Tensor, nn.Parameter)
@@ -109,6 +121,12 @@ class Sink(Protocol):
 
     def write(self, plan: Plan, block: LogicalBlock, fn: Callable[..., Tensor], scratch: Scratch) -> None:
         """Generate ``block`` with ``fn`` and put (its part of) it in place."""
+
+    def runs(self, plan: Plan, todo: list[LogicalBlock]) -> list[tuple[LogicalBlock, ...]]:
+        """``todo`` in order, cut into runs that one write fills (a run of one block: :meth:`write`)."""
+
+    def write_run(self, plan: Plan, run: tuple[LogicalBlock, ...]) -> None:
+        """Fill a run of several blocks that :meth:`runs` made, with one draw."""
 
     def backup(self) -> Tensor:
         """A copy of everything :meth:`write` may change."""
@@ -210,6 +228,45 @@ class LocalSink:
     def restore(self, backup: Tensor) -> None:
         self.tensor.copy_(backup)
 
+    def runs(self, plan: Plan, todo: list[LogicalBlock]) -> list[tuple[LogicalBlock, ...]]:
+        """Adjacent in-place blocks that draw ``uniform_`` from one range, merged (CPU only).
+
+        On CPU ``uniform_`` draws one number per element in memory order, so one call over
+        blocks that follow each other in memory draws exactly what one call per block draws
+        (the engine tests check it bit for bit). CUDA draws per launch: never merged there.
+        """
+        geometry = self.geometry
+        if not self.cpu or geometry is None or len(todo) < 2:
+            return [(b,) for b in todo]
+        bounds = plan.bounds
+        out: list[tuple[LogicalBlock, ...]] = []
+        run: list[LogicalBlock] = []
+        end = -1
+        for b in todo:
+            g, r = geometry[b.index], bounds[b.index]
+            fits = r is not None and g.inplace  # uniform-family blocks are computed in the tensor's dtype
+            if run and fits and r == bounds[run[-1].index] and g.view[1] == end:
+                run.append(b)
+            else:
+                if run:
+                    out.append(tuple(run))
+                run = [b] if fits else []
+                if not fits:
+                    out.append((b,))
+            end = g.view[1] + b.numel if fits else -1
+        if run:
+            out.append(tuple(run))
+        return out
+
+    def write_run(self, plan: Plan, run: tuple[LogicalBlock, ...]) -> None:
+        assert self.geometry is not None  # runs() merges only with a geometry
+        bounds = plan.bounds[run[0].index]
+        assert bounds is not None  # runs() merges only blocks with known bounds
+        start = self.geometry[run[0].index].view[1]
+        n = sum(b.numel for b in run)
+        self.direct = True
+        self.tensor.as_strided((n,), (1,), self.offset + start).uniform_(bounds[0], bounds[1], generator=plan.generator)
+
     def write(self, plan: Plan, block: LogicalBlock, fn: Callable[..., Tensor], scratch: Scratch) -> None:
         tensor, layout = self.tensor, self.layout
         cdt = compute_dtype(fn, tensor.dtype)
@@ -219,7 +276,12 @@ class LocalSink:
         if g is not None:
             if same and (g.inplace or (g.ordered and self.cpu and hashable_in(base(fn), UNIFORM_FNS))):
                 lv = tensor.as_strided(block.shape, g.view[0], self.offset + g.view[1])
-                self._fill_view(plan, fn, lv)
+                bounds = plan.bounds[block.index]
+                self.direct = True
+                if bounds is not None:  # exactly what the torch.nn.init function would call
+                    lv.uniform_(bounds[0], bounds[1], generator=plan.generator)
+                else:
+                    self._fill_view(plan, fn, lv)
                 return
             buf = scratch.flat(block.numel, cdt, tensor.device).as_strided(block.shape, g.contiguous)
             res = plan.call(fn, buf)
@@ -264,11 +326,15 @@ def execute(plan: Plan, sink: Sink, scratch: Scratch | None = None) -> None:
         backup = sink.backup() if not plan.verified and len(todo) > 1 else None
         rng = RngState(sink.device, plan.generator) if backup is not None else None
         written = False
-        for block in todo:
+        for run in sink.runs(plan, todo):
+            block = run[0]
             fn = plan.fns[block.index]
             assert fn is not None  # todo holds only blocks with a function
             try:
-                sink.write(plan, block, fn, scratch)
+                if len(run) == 1:
+                    sink.write(plan, block, fn, scratch)
+                else:
+                    sink.write_run(plan, run)
             except Exception as e:
                 restored = backup is not None
                 if backup is not None and rng is not None:
@@ -290,16 +356,22 @@ def execute(plan: Plan, sink: Sink, scratch: Scratch | None = None) -> None:
 
 
 # -- the lean path: one block that is the whole tensor ---------------------------------------------------
-def lean_call(req: Request, fn: Callable[..., Tensor]) -> None:
+def lean_call(
+    tensor: Tensor,
+    fn: Callable[..., Tensor],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    param: str | None = None,
+) -> None:
     """Call a torch.nn.init function on the whole tensor as it is (the lean path).
 
     Those functions check their input before they write and use no_grad themselves; a
     rejection becomes PackedInitError (also an instance of the error torch raised).
     """
     try:
-        fn(req.tensor, *req.args, **req.kwargs)
+        fn(tensor, *args, **kwargs)
     except Exception as e:
-        if not _lean_failed(req, fn, e):
+        if not _lean_failed(Request(tensor, None, None, fn, args, kwargs, param), fn, e):
             raise
 
 
@@ -326,11 +398,19 @@ def _lean_failed(req: Request, fn: Callable[..., Tensor], e: Exception) -> bool:
     raise rejected(where, None, fn, e, wrote_nothing=True) from e
 
 
-def _lean_get(fn: Callable[..., Tensor]) -> tuple[bool, bool] | None:
+def lean_flags(fn: object) -> tuple[bool, bool] | None:
+    """For a torch.nn.init function the lean path calls as it is: (skip zero-element tensors, takes generator=)."""
     try:
-        return LEAN.get(fn)
+        flags: tuple[bool, bool] | None = LEAN.get(fn)  # type: ignore[call-overload]  # any hashable object
     except TypeError:  # an unhashable callable
         return None
+    return flags
+
+
+def lean_ok(fn: object, kwargs: Mapping[str, Any]) -> bool:
+    """Whether ``fn(tensor, **kwargs)`` on a whole unpacked tensor may be the plain call (and not empty-skipped)."""
+    flags = lean_flags(fn)
+    return flags is not None and not flags[0] and (flags[1] or "generator" not in kwargs)
 
 
 def run_whole(req: Request, fn: Callable[..., Tensor]) -> bool:
@@ -347,11 +427,11 @@ def run_whole(req: Request, fn: Callable[..., Tensor]) -> bool:
             return False
         if req.args or kwargs:  # torch checks some arguments only after it has drawn or written
             check_values(fn, req.args, kwargs, _Whole(req))
-    lean = _lean_get(fn)
+    lean = lean_flags(fn)
     if lean is not None and (lean[1] or not kwargs or "generator" not in kwargs):
         if lean[0] and tensor.numel() == 0:
             return True
-        lean_call(req, fn)
+        lean_call(tensor, fn, req.args, kwargs, req.param)
         return True
     if is_torch:
         if fn is _init.orthogonal_ or fn is _init.trunc_normal_:
@@ -362,7 +442,7 @@ def run_whole(req: Request, fn: Callable[..., Tensor]) -> bool:
             return False
         if tensor.numel() == 0:
             return True
-        lean_call(req, fn)
+        lean_call(tensor, fn, req.args, kwargs, req.param)
         return True
     if tensor.is_meta or (kwargs and "generator" in kwargs):
         return False

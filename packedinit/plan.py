@@ -33,10 +33,22 @@ from .traits import (
     fn_name,
     hashable_in,
     substitute,
+    uniform_bounds,
     who,
 )
 
-__all__ = ["InitFn", "InitSpec", "Request", "Plan", "make_plan", "check_tensor", "rejected", "INFERENCE_FIX"]
+__all__ = [
+    "InitFn",
+    "InitSpec",
+    "Request",
+    "Plan",
+    "make_plan",
+    "cacheable",
+    "typed",
+    "check_tensor",
+    "rejected",
+    "INFERENCE_FIX",
+]
 
 #: An init function: ``fn(tensor, *args, **kwargs) -> tensor``, filling ``tensor`` in place.
 InitFn: TypeAlias = Callable[..., Tensor]
@@ -102,6 +114,22 @@ class Plan:
     prepared: dict[int, tuple[Callable[..., Tensor], dict[str, Any]]] = field(
         default_factory=dict, repr=False, compare=False
     )
+
+    @functools.cached_property
+    def bounds(self) -> tuple[tuple[float, float] | None, ...]:
+        """Per block, the ``uniform_`` range its function draws from, where that is known exactly (else None)."""
+        out: list[tuple[float, float] | None] = []
+        known: dict[tuple[int, int | None, int | None], tuple[float, float] | None] = {}
+        for b in self.blocks:
+            fn = self.fns[b.index]
+            if fn is None:
+                out.append(None)
+                continue
+            key = (id(fn), b.fan_in, b.fan_out)
+            if key not in known:
+                known[key] = uniform_bounds(fn, self.args, self.kwargs, b.fan_in, b.fan_out)
+            out.append(known[key])
+        return tuple(out)
 
     def where(self) -> str:
         """``"parameter 'w' of shape (...) with Layout(...)"``, for messages."""
@@ -253,6 +281,14 @@ _PLANS: dict[tuple[object, ...], Plan | None] = {}
 _PLANS_MAX = 4096
 
 
+def typed(x: object) -> object:
+    """``x`` with its type (element types too, for tuples/lists), for cache keys: ``1``, ``1.0`` and ``True``
+    hash alike but are checked differently (a bool gain is refused, a float dim is refused)."""
+    if type(x) in (tuple, list):
+        return (type(x), tuple(typed(e) for e in x))  # type: ignore[attr-defined]  # a tuple or list
+    return (type(x), x)
+
+
 def _cache_key(req: Request, layout: Layout | None, full: bool) -> tuple[object, ...] | None:
     spec = req.init_fn
     if callable(spec) and not isinstance(spec, Mapping):
@@ -271,8 +307,8 @@ def _cache_key(req: Request, layout: Layout | None, full: bool) -> tuple[object,
         t.is_inference(),
         torch.is_inference_mode_enabled(),
         fns,
-        req.args,
-        tuple(req.kwargs.items()),
+        typed(req.args),
+        tuple((k, typed(v)) for k, v in req.kwargs.items()),
         req.param,
         full,
     )
@@ -308,11 +344,16 @@ def make_plan(req: Request, *, full: bool = False) -> Plan | None:
         except KeyError:
             pass
     plan = _make_plan(req, layout, full)
-    if key is not None and plan.verified and all(f is None or hashable_in(base(f), TORCH_FNS) for f in plan.fns):
+    if key is not None and cacheable(plan):
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()  # simple and safe under threads; refilled by the next calls
         _PLANS[key] = plan
     return plan
+
+
+def cacheable(plan: Plan) -> bool:
+    """Whether ``plan`` may be reused for an equal request: verified, and only torch.nn.init functions."""
+    return plan.verified and all(f is None or hashable_in(base(f), TORCH_FNS) for f in plan.fns)
 
 
 def _make_plan(req: Request, layout: Layout, full: bool) -> Plan:

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import torch
+from torch import Tensor
+
 from .distributed import init_dtensor
 from .execute import PLAIN_TYPES, LocalSink, Scratch, execute, run_whole
 from .layout import Chunks, Layout, as_layout
-from .plan import Request, make_plan
+from .plan import Plan, Request, cacheable, make_plan, typed
 from .traits import is_dtensor
 
 __all__ = ["run", "is_whole"]
+
+#: Per request key (everything the checks read, see plan.make_plan), what writing such a tensor takes:
+#: the merged ``uniform_`` runs (storage offset, length, low, high, generator) when every block is one,
+#: else the plan. Bounded; cleared when full.
+_Runs = tuple[tuple[int, int, float, float, "torch.Generator | None"], ...]
+_PROGRAMS: dict[tuple[object, ...], _Runs | Plan] = {}
+_PROGRAMS_MAX = 4096
 
 
 def is_whole(req: Request) -> bool:
@@ -37,12 +47,77 @@ def run(req: Request, scratch: Scratch | None = None) -> None:
     ``scratch`` may be shared across calls.
     """
     tensor, fn = req.tensor, req.init_fn
-    if type(tensor) in PLAIN_TYPES and callable(fn) and is_whole(req) and run_whole(req, fn):
-        return
-    if is_dtensor(tensor):
+    key = None
+    if type(tensor) in PLAIN_TYPES:
+        if callable(fn) and is_whole(req) and run_whole(req, fn):
+            return
+        key = _key(req)
+        prog = _PROGRAMS.get(key) if key is not None else None
+        if prog is not None:
+            _replay(prog, tensor, scratch)
+            return
+    elif is_dtensor(tensor):
         init_dtensor(req, scratch)
         return
     plan = make_plan(req)
     if plan is None or tensor.is_meta or tensor.numel() == 0:
         return
-    execute(plan, LocalSink(tensor, plan.layout), scratch)
+    sink = LocalSink(tensor, plan.layout)
+    if key is not None and cacheable(plan):
+        if len(_PROGRAMS) >= _PROGRAMS_MAX:
+            _PROGRAMS.clear()
+        _PROGRAMS[key] = _compile(plan, sink)
+    execute(plan, sink, scratch)
+
+
+def _key(req: Request) -> tuple[object, ...] | None:
+    """Everything the checks of ``req`` read (plan.make_plan's cache key), or None when unhashable."""
+    t, chunks = req.tensor, req.chunks
+    key = (
+        typed(chunks),
+        typed(req.dim),
+        tuple(req.init_fn) if type(req.init_fn) is list else req.init_fn,
+        t.shape,
+        t.stride(),
+        t.dtype,
+        t.device,
+        t.is_inference(),
+        torch.is_inference_mode_enabled(),
+        typed(req.args),
+        tuple((k, typed(v)) for k, v in req.kwargs.items()),
+        req.param,
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _compile(plan: Plan, sink: LocalSink) -> _Runs | Plan:
+    """The merged uniform_ runs of a validated plan on this geometry, when every block is one; else the plan."""
+    todo = plan.todo()
+    if sink.geometry is None or not todo:
+        return plan
+    out: list[tuple[int, int, float, float, torch.Generator | None]] = []
+    for run_ in sink.runs(plan, todo):
+        bounds = plan.bounds[run_[0].index]
+        g = sink.geometry[run_[0].index]
+        if bounds is None or not g.inplace:
+            return plan
+        out.append((g.view[1], sum(b.numel for b in run_), bounds[0], bounds[1], plan.generator))
+    return tuple(out)
+
+
+def _replay(prog: _Runs | Plan, tensor: Tensor, scratch: Scratch | None) -> None:
+    if isinstance(prog, Plan):
+        execute(prog, LocalSink(tensor, prog.layout), scratch)
+        return
+    offset = tensor.storage_offset()
+    grad = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
+        for start, n, lo, hi, gen in prog:
+            tensor.as_strided((n,), (1,), offset + start).uniform_(lo, hi, generator=gen)
+    finally:
+        torch._C._set_grad_enabled(grad)

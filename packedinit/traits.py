@@ -42,6 +42,7 @@ __all__ = [
     "check_fn_dtype",
     "check_values",
     "convertible",
+    "uniform_bounds",
 ]
 
 _init = torch.nn.init
@@ -246,7 +247,7 @@ _NUMBERS: dict[Callable[..., Tensor], tuple[str, ...]] = {
 
 
 def _number_problem(name: str, value: object) -> tuple[str, type[Exception]] | None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not isinstance(value, numbers.Real):
         if isinstance(value, Tensor) and value.numel() == 1 and not value.dtype.is_complex:
             value = value.item()
         else:
@@ -293,3 +294,53 @@ def convertible(e: BaseException, torch_fn: bool) -> bool:
     if isinstance(e, REJECTIONS):
         return True
     return torch_fn and type(e) in (RuntimeError, NotImplementedError)
+
+
+_UNIFORM_DRAWS = (_init.uniform_, _init.xavier_uniform_, _init.kaiming_uniform_)
+_PLAIN_NUMBER = (int, float)
+
+
+def uniform_bounds(
+    fn: Callable[..., Tensor], args: tuple[Any, ...], kwargs: Mapping[str, Any], fan_in: int | None, fan_out: int | None
+) -> tuple[float, float] | None:
+    """The ``(low, high)`` that ``fn(block, *args, **kwargs)`` hands ``Tensor.uniform_``, or ``None``.
+
+    For ``uniform_``, ``xavier_uniform_`` and ``kaiming_uniform_`` (also as partials) with plain
+    number arguments, the same float arithmetic as ``torch.nn.init`` on a block with these
+    fans, so the executor may call ``block.uniform_(low, high, generator=...)`` itself: the
+    same draws, bit for bit, without the Python wrapper's per-call cost (the engine tests
+    compare every layout against torch's own functions on separate tensors). ``None`` when
+    the arguments are anything else: then the function itself is called.
+    """
+    b = base(fn)
+    if not hashable_in(b, frozenset(_UNIFORM_DRAWS)):
+        return None
+    got = _bound_args(fn, args, kwargs)
+    if got is None or got.get("generator") is not None:
+        return None
+    if b is _init.uniform_:
+        lo, hi = got["a"], got["b"]
+        if type(lo) not in _PLAIN_NUMBER or type(hi) not in _PLAIN_NUMBER:
+            return None
+        return float(lo), float(hi)
+    if fan_in is None or fan_out is None or fan_in <= 0 or fan_out <= 0:
+        return None
+    if b is _init.xavier_uniform_:
+        gain = got["gain"]
+        if type(gain) not in _PLAIN_NUMBER:
+            return None
+        a = math.sqrt(3.0) * (gain * math.sqrt(2.0 / float(fan_in + fan_out)))
+        return -a, a
+    slope, mode, nonlinearity = got["a"], got["mode"], got["nonlinearity"]
+    if type(slope) not in _PLAIN_NUMBER or not isinstance(mode, str) or not isinstance(nonlinearity, str):
+        return None
+    mode = mode.lower()
+    if mode not in ("fan_in", "fan_out"):
+        return None
+    fan = fan_in if mode == "fan_in" else fan_out
+    try:
+        gain = _init.calculate_gain(nonlinearity, slope)  # type: ignore[arg-type]  # checked to be a str above
+    except ValueError:
+        return None
+    bound = math.sqrt(3.0) * (gain / math.sqrt(fan))
+    return -bound, bound

@@ -120,6 +120,17 @@ def test_overlapping_views_are_refused_like_expanded_ones() -> None:
     chunked_init(ok, 3, 0, init.xavier_uniform_)
 
 
+def test_a_cached_plan_is_never_reused_for_an_argument_that_only_hashes_alike() -> None:
+    w = torch.empty(6, 4)
+    for _ in range(2):  # the second call of each pair would hit the caches
+        chunked_init(w, 3, 0, init.xavier_uniform_)
+        with pytest.raises(PackedInitError, match=r"dim must be an int, got 0\.0"):
+            chunked_init(w, 3, 0.0, init.xavier_uniform_)  # type: ignore[arg-type]  # the bad input under test
+        chunked_init(w, [2, 2, 2], 0, init.uniform_, 0.0, 1.0)
+        with pytest.raises(PackedInitError, match=r"non-int size 2\.0"):
+            chunked_init(w, [2.0, 2, 2], 0, init.uniform_, 0.0, 1.0)  # type: ignore[list-item]  # under test
+
+
 # -- PackedInitError in place of a torch error keeps that error's type ---------------------------------------------
 @pytest.mark.parametrize(
     ("call", "kind"),
