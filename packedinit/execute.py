@@ -168,6 +168,25 @@ def _copy_transposed(dst: Tensor, logical: Tensor) -> None:
         dst[:, r : r + _TILE].copy_(logical[r : r + _TILE].t())
 
 
+def _uniform_banded(
+    dst: Tensor, block: LogicalBlock, bounds: tuple[float, float], plan: Plan, scratch: Scratch
+) -> None:
+    """Draw a block's ``uniform_`` in bands of ``_TILE`` logical rows and write each band transposed while hot.
+
+    ``dst`` is the ``(in, out)`` storage view whose column ``r`` is logical row ``r``. On CPU
+    ``uniform_`` draws one number per element in order, so the bands, drawn in row order,
+    hold exactly what one draw of the whole block would (the engine tests check it bit for bit).
+    """
+    rows, cols = block.shape
+    band = scratch.flat(min(rows, _TILE) * cols, dst.dtype, dst.device)
+    lo, hi = bounds
+    for r in range(0, rows, _TILE):
+        n = min(_TILE, rows - r)
+        b = band[: n * cols].view(n, cols)
+        b.uniform_(lo, hi, generator=plan.generator)
+        dst[:, r : r + n].copy_(b.t())
+
+
 def _row_major(t: Tensor) -> bool:
     """Whether walking ``t`` in memory order visits its elements in row-major order (no overlap)."""
     extent = 1
@@ -283,12 +302,18 @@ class LocalSink:
                 else:
                     self._fill_view(plan, fn, lv)
                 return
-            buf = scratch.flat(block.numel, cdt, tensor.device).as_strided(block.shape, g.contiguous)
-            res = plan.call(fn, buf)
             sshape, sstride, soff = g.storage
             dst = tensor.as_strided(sshape, sstride, self.offset + soff)
-            if self.tiled and res.dim() == 2 and (layout.groups == 1 or sshape[2] == 1):
-                # storage (in, groups, size) with one of groups/size 1: logical row r is column r
+            # storage (in, groups, size) with one of groups/size 1: logical row r is column r
+            columns = self.tiled and len(block.shape) == 2 and (layout.groups == 1 or sshape[2] == 1)
+            bounds = plan.bounds[block.index]
+            if columns and self.cpu and bounds is not None:
+                self.direct = True
+                _uniform_banded(dst[:, 0, :] if layout.groups == 1 else dst[:, :, 0], block, bounds, plan, scratch)
+                return
+            buf = scratch.flat(block.numel, cdt, tensor.device).as_strided(block.shape, g.contiguous)
+            res = plan.call(fn, buf)
+            if columns and res.dim() == 2:
                 _copy_transposed(dst[:, 0, :] if layout.groups == 1 else dst[:, :, 0], res)
             elif res is buf:
                 dst.copy_(res.as_strided(*g.from_logical))
