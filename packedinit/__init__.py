@@ -14,6 +14,7 @@ from .errors import PackedInitError
 from .layout import Chunks, Layout, LogicalBlock, logical_blocks
 from .recipes import init_recurrent_, reset_parameters
 from .registry import Adapter, annotate, layouts, register, registered, unregister
+from .torch_defaults import fix_torch_defaults
 from .walk import init_model
 
 __version__ = "0.1.0"
@@ -42,6 +43,7 @@ __all__ = [
     "init_model",
     "reset_parameters",
     "init_recurrent_",
+    "fix_torch_defaults",
     # audit
     "audit",
     "AuditReport",
