@@ -163,12 +163,14 @@ def fix_torch_defaults() -> TorchDefaultsFix:
     - ``Transformer``: ``xavier_uniform_`` on every parameter with ``dim > 1`` in
       ``parameters()`` order, as torch does, packed ones per block.
 
-    The draws are torch's, in torch's order: a module built under the fix from a seed
-    is bit-identical to the same module built without it and then passed to
-    :func:`packedinit.reset_parameters` from the same seed (``nn.Transformer``: when it
-    has one encoder and one decoder layer; with more, torch's construction deep-copies
-    one layer, which ``reset_parameters`` does not, see the docs). Every parameter other
-    than the packed ones is bit-identical to torch's own construction.
+    The draws are torch's, in torch's order: every parameter other than the packed
+    ones is bit-identical to torch's own construction from the same seed, and the
+    packed ones hold torch's draws at the per-block bound. ``nn.MultiheadAttention``,
+    ``nn.TransformerEncoderLayer``/``DecoderLayer`` (and an ``nn.Transformer`` with one
+    layer of each) built under the fix are bit-identical to the same module built
+    without it and then passed to :func:`packedinit.reset_parameters` from the same
+    seed. Stacks of N > 1 layers differ from that: torch deep-copies one layer at
+    construction, ``reset_parameters`` draws each layer on its own (see the docs).
 
     Scope and semantics:
 
