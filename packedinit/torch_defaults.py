@@ -163,8 +163,9 @@ def fix_torch_defaults() -> TorchDefaultsFix:
     - ``Transformer``: ``xavier_uniform_`` on every parameter with ``dim > 1`` in
       ``parameters()`` order, as torch does, packed ones per block.
 
-    The draws are torch's, in torch's order: every parameter other than the packed
-    ones is bit-identical to torch's own construction from the same seed, and the
+    The draws are torch's, in torch's order (tested on CPU, torch 2.13.0): every
+    parameter other than the packed ones is bit-identical to torch's own construction
+    from the same seed, and the
     packed ones hold torch's draws at the per-block bound. ``nn.MultiheadAttention``,
     ``nn.TransformerEncoderLayer``/``DecoderLayer`` (and an ``nn.Transformer`` with one
     layer of each) built under the fix are bit-identical to the same module built

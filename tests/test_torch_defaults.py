@@ -7,6 +7,7 @@ import re
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -494,6 +495,18 @@ def test_meta_construction_under_the_fix(how: str) -> None:
     model.to_empty(device="cpu")
     reset_parameters(model, generator=torch.Generator().manual_seed(0))
     assert assert_per_block_xavier(model) == 3
+
+
+@pytest.mark.parametrize("mode", [torch.inference_mode, torch.no_grad])
+def test_construction_under_inference_mode_or_no_grad(mode: Callable[[], AbstractContextManager[object]]) -> None:
+    def make() -> nn.Module:
+        return nn.TransformerEncoderLayer(16, 2, dim_feedforward=8, batch_first=True)
+
+    with mode():
+        fixed, _ = seeded(4, make, fixed=True)
+        reset, _ = reset_from(4, make)  # written in the same mode: inference tensors can only be written there
+    assert_same(fixed, reset)
+    assert fixed.get_parameter("self_attn.in_proj_weight").is_inference() is (mode is torch.inference_mode)
 
 
 # -- errors and other code ------------------------------------------------------------------------------
