@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Callable
 from types import TracebackType
 
+import torch
 from torch import nn
 
 from .errors import PackedInitError
@@ -66,8 +67,6 @@ _TARGETS: tuple[tuple[type[nn.Module], Callable[..., None]], ...] = (
 def _install() -> None:
     missing = [cls.__qualname__ for cls, _ in _TARGETS if not callable(cls.__dict__.get(_METHOD))]
     if missing:
-        import torch
-
         raise PackedInitError(
             f"fix_torch_defaults(): this torch ({torch.__version__}) has no {_METHOD} method on "
             f"{', '.join(missing)}, so there is nothing to replace; initialise after construction instead: "
