@@ -17,6 +17,7 @@ from .layout import Chunks, Layout, LogicalBlock, logical_blocks
 from .plan import InitFn, InitSpec
 from .recipes import init_recurrent_, reset_parameters
 from .registry import Adapter, annotate, layouts, register, registered, unregister
+from .torch_defaults import fix_torch_defaults
 from .walk import init_model
 
 _registry.set_builtin_loader(_register_builtins)  # built-in adapters register on the registry's first use
@@ -47,6 +48,7 @@ __all__ = [
     "init_model",
     "reset_parameters",
     "init_recurrent_",
+    "fix_torch_defaults",
     # audit
     "audit",
     "AuditReport",

@@ -88,8 +88,11 @@ def _own_tensors(m: nn.Module) -> list[Tensor]:
     return [*m.parameters(recurse=False), *m.buffers(recurse=False)]
 
 
-def _reset_mha(m: nn.MultiheadAttention, generator: torch.Generator | None) -> None:
-    """``MultiheadAttention._reset_parameters`` with xavier per q/k/v block (pytorch/pytorch#166378)."""
+def reset_multihead_attention(m: nn.MultiheadAttention, generator: torch.Generator | None = None) -> None:
+    """``MultiheadAttention._reset_parameters`` with xavier per q/k/v block (pytorch/pytorch#166378).
+
+    Same draws in the same order as torch's method; only the bound of ``in_proj_weight`` changes.
+    """
     kw: dict[str, Any] = {"generator": generator} if generator is not None else {}
     if m._qkv_same_embed_dim:
         if m.in_proj_weight is not None:
@@ -106,6 +109,15 @@ def _reset_mha(m: nn.MultiheadAttention, generator: torch.Generator | None) -> N
         t = getattr(m, name)
         if t is not None:
             run(Request(t, None, None, xavier_normal_, (), kw, name))
+
+
+def reset_transformer(m: nn.Module, generator: torch.Generator | None = None) -> None:
+    """``nn.Transformer._reset_parameters``: ``xavier_uniform_`` on every ``dim > 1`` parameter, packed ones per block.
+
+    Parameters in ``m.parameters()`` order (torch's order), blocks in block order, one RNG stream.
+    """
+    kw: dict[str, Any] = {"generator": generator} if generator is not None else {}
+    init_tree(m, xavier_uniform_, (), kw)
 
 
 def _reset_linear_or_conv(m: nn.Linear | nn.modules.conv._ConvNd, generator: torch.Generator | None) -> None:
@@ -227,10 +239,9 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
     for m in _post_order(module):
         replay = _replay_for(m)
         if isinstance(m, nn.MultiheadAttention):
-            plan.append((functools.partial(_reset_mha, m, gen), False))
+            plan.append((functools.partial(reset_multihead_attention, m, gen), False))
         elif isinstance(m, nn.Transformer):
-            kw: dict[str, Any] = {"generator": gen} if gen is not None else {}
-            plan.append((functools.partial(init_tree, m, xavier_uniform_, (), kw), False))
+            plan.append((functools.partial(reset_transformer, m, gen), False))
         elif replay is not None:
             plan.append((functools.partial(replay, m, gen), False))
         else:
