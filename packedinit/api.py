@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from .errors import PackedInitError
 from .execute import PLAIN_TYPES, lean_call, lean_flags, lean_ok
 from .layout import Chunks, Layout, is_int
+from .marks import param_layout
 from .plan import InitSpec, Request
 from .run import run
 from .walk import apply_ancestors, module_call
@@ -86,6 +87,8 @@ def chunked_init(
         ...
         packedinit.errors.PackedInitError: tensor of shape (10, 4): dim 0 has length 10, which 3 equal chunks ...
     """
+    if chunks is None and dim is None and isinstance(tensor, nn.Parameter):
+        chunks = param_layout(tensor)  # annotated by packedinit.annotate: per block
     if chunks is None and dim is None and type(tensor) in PLAIN_TYPES and lean_ok(init_fn, init_kwargs):
         lean_call(tensor, init_fn, args, init_kwargs)  # type: ignore[arg-type]  # lean_ok: a torch.nn.init function
     else:
@@ -166,13 +169,19 @@ def chunked(
     if not callable(init_fn):
         raise PackedInitError(f"chunked(init_fn=...) needs a function, got {type(init_fn).__name__}.")
     chunks = _check_chunks_arg(chunks, dim)
-    lean = lean_flags(init_fn) if chunks is None and dim is None else None
+    unset = chunks is None and dim is None
+    lean = lean_flags(init_fn) if unset else None
     fast = lean is not None  # the lean path of _run_single, inlined: an unpacked tensor and a torch.nn.init function
     skip_empty, takes_generator = lean if lean is not None else (False, False)
     tensor_types = PLAIN_TYPES
 
     @functools.wraps(init_fn)
     def wrapper(target: Any, /, *args: Any, **kwargs: Any) -> Any:
+        if unset and isinstance(target, nn.Parameter):
+            layout = param_layout(target)  # annotated by packedinit.annotate: per block
+            if layout is not None:
+                run(Request(target, layout, None, init_fn, args, kwargs))
+                return target
         if fast and type(target) in tensor_types and (takes_generator or not kwargs or "generator" not in kwargs):
             if not (skip_empty and target.numel() == 0):
                 lean_call(target, init_fn, args, kwargs)

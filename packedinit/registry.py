@@ -23,6 +23,8 @@ from torch import Tensor, nn
 
 from .errors import PackedInitError
 from .layout import Layout, fmt_shape
+from .marks import ANNOTATIONS, has_annotations, stamp
+from .marks import annotations_of as stored_annotations
 
 __all__ = [
     "Adapter",
@@ -46,8 +48,6 @@ A = TypeVar("A", bound=Adapter)
 Key: TypeAlias = type[nn.Module] | str
 Mod = TypeVar("Mod", bound=nn.Module)
 
-#: Where :func:`annotate` keeps an instance's layouts: ``{leaf param name: Layout | None}``.
-_ANNOTATIONS = "_packedinit_layouts"
 
 
 # -- the table ---------------------------------------------------------------------------------
@@ -359,7 +359,7 @@ def _claims(module: nn.Module, path: str, where: str | None = None, *, annotatio
     (default: its path).
     """
     where = where or _where_module(path)
-    anns: Mapping[str, Layout | None] | None = module.__dict__.get(_ANNOTATIONS) if annotations else None
+    anns: Mapping[str, Layout | None] | None = module.__dict__.get(ANNOTATIONS) if annotations else None
     if anns:
         source = f"annotation on {where} ({type(module).__name__})"
         for name, layout in anns.items():
@@ -415,7 +415,7 @@ def resolve(model: nn.Module) -> list[tuple[str, Tensor, Layout | None]]:
                     order[id(p)] = (dot + name, p)
         cls = type(m)
         has_adapter = cache[cls] is not None if cls in cache else lookup(cls) is not None
-        if has_adapter or _ANNOTATIONS in m.__dict__:
+        if has_adapter or has_annotations(m):
             for c in _claims(m, prefix):
                 claimed.setdefault(id(c.param), []).append(c)
     if not claimed:
@@ -461,8 +461,14 @@ def annotate(module: Mod, **param_layouts: Layout | None) -> Mod:
     """Mark packed parameters of one module instance; with no keywords, stamp every known one.
 
     ``annotate(m, weight=Layout(...))`` records that ``m.weight`` is packed. The
-    annotation is stored on the module object (not the tensor), so it survives
-    ``m.to(...)``, ``m.to_empty(...)``, ``copy.deepcopy`` and FSDP2 ``fully_shard``.
+    annotation is stored on the module object, so it survives ``m.to(...)``,
+    ``m.to_empty(...)``, ``copy.deepcopy``, ``load_state_dict`` and FSDP2 ``fully_shard``,
+    and each annotated Parameter is marked: afterwards ``chunked(f)(m.weight)`` on the
+    bare parameter is per block, as are the idioms that hand parameters one at a time
+    (a ``for p in model.parameters()`` loop, an ``_init_weights(module)`` run through
+    ``model.apply``). A Parameter replaced later (``to_empty`` from meta, a deep copy,
+    ``fully_shard``) is found again through its module. Without any annotation a bare
+    tensor is one block, exactly as ``torch.nn.init`` sees it.
     It beats any registered adapter; ``None`` marks a parameter as *not* packed.
     A dotted name (``**{"qkv.weight": layout}``) is stored on the submodule that
     owns the parameter. Every layout is checked against the parameter's shape
@@ -512,14 +518,13 @@ def annotate(module: Mod, **param_layouts: Layout | None) -> Mod:
                 owner, leaf = owners[id(p)]
                 stamps.setdefault(id(owner), (owner, {}))[1][leaf] = layout
     for owner, new in stamps.values():
-        old: Mapping[str, Layout | None] = owner.__dict__.get(_ANNOTATIONS) or {}
-        owner.__dict__[_ANNOTATIONS] = {**old, **new}
+        stamp(owner, new)
     return module
 
 
 def annotations_of(module: nn.Module) -> Mapping[str, Layout | None]:
     """The annotations :func:`annotate` stored on ``module`` itself (read-only, leaf names)."""
-    return MappingProxyType(dict(module.__dict__.get(_ANNOTATIONS) or {}))
+    return MappingProxyType(dict(stored_annotations(module)))
 
 
 def own_layouts(module: nn.Module, ancestors: Sequence[nn.Module]) -> dict[int, Layout | None]:
@@ -533,7 +538,7 @@ def own_layouts(module: nn.Module, ancestors: Sequence[nn.Module]) -> dict[int, 
     sources = [
         (i, m)
         for i, m in enumerate((module, *ancestors))
-        if (i == 0 and _ANNOTATIONS in m.__dict__)
+        if (i == 0 and has_annotations(m))
         or (cache[type(m)] is not None if type(m) in cache else lookup(type(m)) is not None)
     ]
     if not sources:

@@ -16,11 +16,12 @@ the init function against every distinct block shape (a dry run on meta tensors)
 
 from __future__ import annotations
 
+import fnmatch
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Any, TypeAlias
 
 from torch import Tensor, nn
 
@@ -34,6 +35,8 @@ from .traits import fn_name, is_dtensor
 
 __all__ = [
     "init_model",
+    "select",
+    "ParamFilter",
     "init_tree",
     "module_call",
     "apply_ancestors",
@@ -179,7 +182,53 @@ def module_call(
         init_tree(module, init_fn, args, kwargs)
 
 
-def init_model(model: nn.Module, init_fn: Callable[..., Tensor], *args: Any, **kwargs: Any) -> nn.Module:
+#: What ``init_model(..., params=...)`` takes: glob pattern(s) on qualified names, or a predicate.
+ParamFilter: TypeAlias = str | Sequence[str] | Callable[[str, Tensor], bool]
+
+
+def select(
+    model: nn.Module,
+    entries: list[tuple[str, Tensor, Layout | None]],
+    modules: type[nn.Module] | tuple[type[nn.Module], ...] | None,
+    params: ParamFilter | None,
+) -> list[tuple[str, Tensor, Layout | None]]:
+    """The entries that lie under a module of type ``modules`` and whose name matches ``params``."""
+    if modules is not None:
+        kinds = modules if isinstance(modules, tuple) else (modules,)
+        if not kinds or not all(isinstance(k, type) and issubclass(k, nn.Module) for k in kinds):
+            raise PackedInitError(
+                f"init_model(..., modules={modules!r}): modules must be an nn.Module subclass or a tuple of them "
+                f"(as for isinstance), e.g. modules=torch.nn.Linear."
+            )
+        under = {id(p) for m in model.modules() if isinstance(m, kinds) for p in m.parameters()}
+        entries = [e for e in entries if id(e[1]) in under]
+    if params is not None:
+        if callable(params):
+            keep: Callable[[str, Tensor], bool] = params
+        else:
+            patterns = (params,) if isinstance(params, str) else tuple(params)
+            if not patterns or not all(isinstance(x, str) for x in patterns):
+                raise PackedInitError(
+                    f"init_model(..., params={params!r}): params must be a glob pattern on qualified parameter "
+                    f"names (e.g. '*.attn.*'), a list of them, or a function (name, param) -> bool."
+                )
+
+            def keep(name: str, _: Tensor) -> bool:
+                return any(fnmatch.fnmatchcase(name, x) for x in patterns)
+
+        entries = [e for e in entries if keep(e[0], e[1])]
+    return entries
+
+
+def init_model(
+    model: nn.Module,
+    init_fn: Callable[..., Tensor],
+    /,
+    *args: Any,
+    modules: type[nn.Module] | tuple[type[nn.Module], ...] | None = None,
+    params: ParamFilter | None = None,
+    **kwargs: Any,
+) -> nn.Module:
     r"""Initialise every parameter with ``dim >= 2`` of ``model``, packed ones per logical block.
 
     This is the ``for p in model.parameters(): if p.dim() > 1: init_fn(p)`` idiom
@@ -188,38 +237,66 @@ def init_model(model: nn.Module, init_fn: Callable[..., Tensor], *args: Any, **k
     logical block; every other parameter gets ``init_fn`` on the whole tensor,
     exactly as the plain loop would. 1-D parameters (biases, norms) are left alone.
     Tied parameters are initialised once. ``chunked(init_fn)(model, ...)`` is the
-    same call.
+    same call without filters.
 
     Order: parameters in ``model.named_parameters()`` order, blocks in block order,
     all from one RNG stream. On CPU the result is bit-identical to the plain loop
     run on the separate logical tensors.
 
+    Filters replace the hand-written ``apply`` callback: ``modules`` keeps the
+    parameters of modules of those types (and of their submodules), ``params`` the
+    parameters whose qualified name matches a glob pattern (``fnmatch``, e.g.
+    ``"*.attn.*"``, ``"*.weight"``) or a predicate ``(name, param) -> bool``; given
+    both, a parameter must pass both. A filter that keeps nothing raises (a typo
+    would otherwise initialise nothing, silently).
+
+    Keywords: ``modules`` and ``params`` are this function's own; every other keyword
+    goes to ``init_fn``. packedinit never gives its own options a name that a
+    ``torch.nn.init`` function takes (``a, b, mean, std, gain, mode, nonlinearity, val,
+    sparsity, groups``); ``generator`` means the same everywhere. An init function of
+    your own with a ``modules``/``params`` keyword takes it through ``functools.partial``.
+
     Args:
         model: the module.
         init_fn: a ``torch.nn.init``-style function ``fn(tensor, *args, **kwargs)``.
         *args: forwarded to ``init_fn``.
+        modules: only parameters under modules of this type (or tuple of types).
+        params: only parameters whose qualified name matches (glob(s) or a predicate).
         **kwargs: forwarded to ``init_fn``; ``generator=`` is used for every draw.
 
     Returns:
         ``model`` itself.
 
     Raises:
-        PackedInitError: a bad adapter/annotation, or ``init_fn`` rejecting some
-            parameter or block; raised before anything is written.
+        PackedInitError: a bad adapter/annotation or filter, a filter that keeps no
+            parameter, or ``init_fn`` rejecting some parameter or block; raised before
+            anything is written.
 
     Examples:
         >>> import torch
-        >>> from torch.nn.init import xavier_uniform_
+        >>> from torch.nn.init import kaiming_uniform_, xavier_uniform_
         >>> model = torch.nn.TransformerEncoderLayer(d_model=16, nhead=4)
         >>> _ = init_model(model, xavier_uniform_, generator=torch.Generator().manual_seed(0))
         >>> bound = (6 / (16 + 16)) ** 0.5  # per q/k/v block, not sqrt(6 / (48 + 16))
         >>> w = model.self_attn.in_proj_weight
         >>> bool(w.abs().max() <= bound), bool(w.abs().max() > (6 / 64) ** 0.5)
         (True, True)
+        >>> _ = init_model(model, kaiming_uniform_, modules=torch.nn.Linear, params="linear*", nonlinearity="relu")
+        >>> _ = init_model(model, xavier_uniform_, modules=torch.nn.MultiheadAttention)
     """
     if not isinstance(model, nn.Module):
         raise PackedInitError(f"init_model(model, ...) needs an nn.Module, got {type(model).__name__}.")
     if not callable(init_fn):
         raise PackedInitError(f"init_model(model, init_fn): init_fn must be callable, got {type(init_fn).__name__}.")
-    init_tree(model, init_fn, args, kwargs)
+    entries = resolve(model)
+    if modules is not None or params is not None:
+        kept = select(model, entries, modules, params)
+        if not any(p.dim() - (lay.batch_dims if lay is not None else 0) >= 2 for _, p, lay in kept):
+            names = [n for n, p, _ in entries if p.dim() >= 2][:8]
+            raise PackedInitError(
+                f"init_model({type(model).__name__}, {fn_name(init_fn)}, modules={modules!r}, params={params!r}): "
+                f"the filters keep no parameter with dim >= 2; nothing was written. Parameters it has: {names}."
+            )
+        entries = kept
+    run_steps(plan_steps(entries, init_fn, args, kwargs))
     return model
