@@ -15,7 +15,6 @@ import math
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import redirect_stdout
 from dataclasses import dataclass
 from typing import Any
 
@@ -330,8 +329,7 @@ def _check_config_keys(target: Target, factory: object, config: object) -> None:
 
 def _resolve(target: Target) -> Any:
     try:
-        with redirect_stdout(sys.stderr):
-            obj: Any = importlib.import_module(target.module)
+        obj: Any = importlib.import_module(target.module)
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # any import failure (sys.exit at import included) is one line
@@ -377,7 +375,7 @@ def build_target(target: Target) -> nn.Module:
     nothing downloaded). A module instance named by the target is used as is.
 
     The target is trusted code: importing and calling it runs it, exactly as ``python -c``
-    would. Whatever it prints goes to stderr, so ``--json`` output stays valid.
+    would (:func:`~packedinit.cli.main` sends whatever it prints to stderr, so ``--json`` output stays valid).
 
     Raises:
         UsageError: the module or attribute cannot be found (with did-you-mean suggestions),
@@ -392,12 +390,11 @@ def build_target(target: Target) -> nn.Module:
         raise UsageError(f"{target.module}:{target.attr} is a {type(obj).__name__}, not a factory or class")
     _refuse_model_class_with_keywords(target, obj)
     try:
-        with redirect_stdout(sys.stderr):
-            result = obj(*target.args, **dict(target.kwargs))
-            if _is_hf_config(result):
-                _check_config_keys(target, obj, result)
-                auto_model = importlib.import_module("transformers").AutoModel
-                result = auto_model.from_config(result)
+        result = obj(*target.args, **dict(target.kwargs))
+        if _is_hf_config(result):
+            _check_config_keys(target, obj, result)
+            auto_model = importlib.import_module("transformers").AutoModel
+            result = auto_model.from_config(result)
     except (UsageError, KeyboardInterrupt):
         raise
     except SystemExit as e:  # the factory called sys.exit: its code must not become ours
