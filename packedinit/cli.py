@@ -458,7 +458,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     except BrokenPipeError:  # `packedinit audit | head`
         return EXIT_OK
     except Exception as e:  # a bug or a value torch cannot take: one line, not a traceback
-        _error(err, f"unexpected {type(e).__name__} while auditing: {shorten(str(e), 300)} (please report it)")
+        _error(err, f"internal error: {type(e).__name__}: {shorten(str(e), 300)} (please report it)")
         return EXIT_USAGE
 
 
