@@ -12,6 +12,7 @@ import difflib
 import importlib
 import inspect
 import math
+import pkgutil
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -33,6 +34,7 @@ __all__ = [
     "parse_init",
     "build_target",
     "did_you_mean",
+    "closest",
     "shorten",
 ]
 
@@ -65,6 +67,12 @@ def shorten(text: str, limit: int = 80) -> str:
     return f"{r[:half]}...{r[-half:]} ({len(text)} characters)"
 
 
+def _clip(e: BaseException, limit: int = 200) -> str:
+    """An exception's message on one line, at most ``limit`` characters."""
+    msg = " ".join(str(e).split())
+    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
+
+
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     """``" (did you mean 'a' or 'b'?)"`` for the closest candidates; ``""`` when none is close.
 
@@ -79,13 +87,24 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
         >>> did_you_mean("zzz", ["n_layer"])
         ''
     """
+    return _phrase(closest(word, candidates))
+
+
+def closest(word: str, candidates: Iterable[str]) -> list[str]:
+    """Up to three candidates close to ``word``: prefix matches first, then :mod:`difflib` ones.
+
+    Examples:
+        >>> closest("Linaer", ["Linear", "Bilinear", "LSTM"])
+        ['Linear']
+    """
     pool = sorted({c for c in candidates if word.startswith("_") or not c.startswith("_")})
     prefix = [c for c in pool if word and c.startswith(word) and c != word]
     close = difflib.get_close_matches(word, pool, n=3, cutoff=0.75)
-    best = list(dict.fromkeys(prefix[:3] + close))[:3]
-    if not best:
-        return ""
-    return " (did you mean " + " or ".join(repr(b) for b in best) + "?)"
+    return list(dict.fromkeys(prefix[:3] + close))[:3]
+
+
+def _phrase(best: Sequence[str]) -> str:
+    return " (did you mean " + " or ".join(repr(b) for b in best) + "?)" if best else ""
 
 
 def parse_seed(text: str) -> int:
@@ -204,8 +223,7 @@ def _trial(text: str, fn: Callable[..., Tensor], ref: Reference) -> None:
             fn(trial, **dict(ref.kwargs))
         std = ref.std(shape)
     except Exception as e:  # torch refuses the arguments: uniform_(1.0, 0.0), normal_(std=-1.0), ...
-        msg = " ".join(str(e).split())
-        raise UsageError(f"--init {shorten(text)}: torch refused it: {type(e).__name__}: {msg[:200]}") from None
+        raise UsageError(f"--init {shorten(text)}: torch refused it: {type(e).__name__}: {_clip(e)}") from None
     if std is not None and not (math.isfinite(std) and std >= 0):
         raise UsageError(f"--init {shorten(text)}: its std would be {std:g}; use a gain/std/bounds giving std >= 0")
     measured = float(trial.double().std(correction=0))
@@ -327,13 +345,27 @@ def _check_config_keys(target: Target, factory: object, config: object) -> None:
             )
 
 
+def _module_hint(missing: str) -> str:
+    """Did-you-mean for a module that is not there: its siblings in the parent package (or top-level modules)."""
+    parent, _, leaf = missing.rpartition(".")
+    try:
+        path = getattr(sys.modules[parent], "__path__", None) if parent else None
+        names = [m.name for m in pkgutil.iter_modules(path)] if not parent or path is not None else []
+    except Exception:  # an odd package: no suggestion
+        names = []
+    return _phrase([f"{parent}.{n}" if parent else n for n in closest(leaf, names)])
+
+
 def _resolve(target: Target) -> Any:
     try:
         obj: Any = importlib.import_module(target.module)
     except KeyboardInterrupt:
         raise
+    except ModuleNotFoundError as e:
+        hint = _module_hint(e.name or target.module)
+        raise UsageError(f"cannot import {target.module!r}: ModuleNotFoundError: {_clip(e)}{hint}") from None
     except BaseException as e:  # any import failure (sys.exit at import included) is one line
-        raise UsageError(f"cannot import {target.module!r}: {type(e).__name__}: {shorten(str(e), 200)}") from None
+        raise UsageError(f"cannot import {target.module!r}: {type(e).__name__}: {_clip(e)}") from None
     for part in target.attr.split("."):
         try:
             obj = getattr(obj, part)
@@ -344,7 +376,7 @@ def _resolve(target: Target) -> Any:
                 names = []
             raise UsageError(f"{target.module}:{target.attr}: {part!r} not found{did_you_mean(part, names)}") from None
         except Exception as e:  # lazy attributes (transformers) may fail on access
-            raise UsageError(f"{target.module}:{target.attr}: {type(e).__name__}: {shorten(str(e), 200)}") from None
+            raise UsageError(f"{target.module}:{target.attr}: {type(e).__name__}: {_clip(e)}") from None
     return obj
 
 
@@ -400,8 +432,7 @@ def build_target(target: Target) -> nn.Module:
     except SystemExit as e:  # the factory called sys.exit: its code must not become ours
         raise UsageError(f"{target} failed: a factory that raised SystemExit({e.code!r})") from None
     except BaseException as e:  # the user's factory may raise anything: one line
-        msg = " ".join(str(e).split())
-        raise UsageError(f"{target} failed: {type(e).__name__}: {msg[:300]}") from None
+        raise UsageError(f"{target} failed: {type(e).__name__}: {_clip(e, 300)}") from None
     if not isinstance(result, nn.Module):
         raise UsageError(f"{target} returned a {type(result).__name__}, not an nn.Module or a transformers config")
     return result
