@@ -1,11 +1,29 @@
-"""The command line: ``python -m packedinit audit [TARGET [ARG ...]] [--init FN] [--json]``.
+"""The command line: ``python -m packedinit audit [TARGET [ARG ...]] [options]``.
+
+``TARGET`` is ``package.module:factory``: it is imported and called, exactly like
+``python -c "import package.module; package.module.factory(...)"`` would; never pass a target
+you would not run. Its ``ARG`` values, and the arguments of ``--init``, are Python literals only
+(read with :func:`ast.literal_eval`, never ``eval``). With no ``TARGET``: a built-in demo model.
+
+Options of ``audit``:
+
+* ``--init FN``: also run the ``torch.nn.init`` function ``FN`` (a name, or a call with literal
+  arguments: ``"kaiming_normal_(nonlinearity='relu')"``) on each packed tensor, then per block,
+  and show the three states side by side (the demo uses ``xavier_uniform_``);
+* ``--json``: print JSON instead of tables (always valid JSON: NaN and inf are written as ``null``);
+* ``--meta``: build the model on the meta device: shapes, layouts and fans only;
+* ``--seed N``: ``torch.manual_seed(N)`` before building and before each init (default 0;
+  0 <= N < 2**64);
+* ``--check``: exit 1 when parameters of the model as built are affected by packing;
+* ``-h`` / ``--help``: the help. ``packedinit --version`` prints the version.
 
 Exit codes:
 
-* 0: the audit ran (with ``--check``: and no parameter shows the packed-init signature);
-* 1: ``--check`` was given and some parameter shows the packed-init signature;
-* 2: bad command line: unknown option, malformed TARGET or argument, a module or
-  factory that cannot be imported, a factory that raised, a bad ``--init``;
+* 0: the audit ran (with ``--check``: and no parameter is affected);
+* 1: ``--check`` was given and some parameter is affected (see :func:`affected`);
+* 2: bad command line: unknown option, malformed TARGET, ARG, ``--init`` or ``--seed``, a module
+  or factory that cannot be imported, a factory that raised (``sys.exit`` included), an unknown
+  config key, a result that is not a model; also any unexpected failure while auditing;
 * 3: packedinit refused the model (a registered adapter or layout does not fit it);
 * 130: interrupted (Ctrl-C).
 
@@ -15,26 +33,41 @@ Errors are one line on stderr (``packedinit: error: ...``), never a traceback.
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib
-import inspect
 import json
-import re
+import math
 import shutil
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
-from typing import Any, TextIO
+from contextlib import contextmanager, nullcontext, redirect_stdout
+from typing import Any, NoReturn, TextIO
 
 import torch
 from torch import Tensor, nn
 
 from .audit import AuditReport, Reference, audit, compact
+from .cli_parse import (
+    Target,
+    UsageError,
+    build_target,
+    parse_init,
+    parse_seed,
+    parse_target,
+    shorten,
+)
 from .errors import PackedInitError
 from .layout import Layout, fmt_shape
 
-__all__ = ["main", "Target", "parse_target", "parse_init", "build_target", "demo_model"]
+__all__ = [
+    "main",
+    "Target",
+    "UsageError",
+    "parse_target",
+    "parse_init",
+    "build_target",
+    "demo_model",
+    "affected",
+    "json_safe",
+]
 
 EXIT_OK = 0
 EXIT_PACKED = 1
@@ -42,177 +75,40 @@ EXIT_USAGE = 2
 EXIT_REFUSED = 3
 EXIT_INTERRUPTED = 130
 
-_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-/]*\Z")
-_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 
+def affected(report: AuditReport) -> bool:
+    """Whether ``--check`` fails (exit 1): some parameter of the model as built is affected by packing.
 
-class UsageError(Exception):
-    """A command-line problem: reported as one line, exit code 2."""
-
-
-@dataclass(frozen=True)
-class Target:
-    """A parsed ``package.module:factory [ARG ...]``.
-
-    Attributes:
-        module: the module to import.
-        attr: the dotted attribute path inside it (``"GPT2Config"``, ``"AutoConfig.for_model"``).
-        args: positional arguments (Python literals).
-        kwargs: keyword arguments (Python literals).
-    """
-
-    module: str
-    attr: str
-    args: tuple[Any, ...] = ()
-    kwargs: tuple[tuple[str, Any], ...] = ()
-
-    def __str__(self) -> str:
-        parts = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs]
-        return f"{self.module}:{self.attr}({', '.join(parts)})"
-
-
-def _literal(text: str, what: str) -> Any:
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        if _WORD.match(text):
-            return text  # a bare word is a string: nonlinearity=relu
-        raise UsageError(f"{what}: {text!r} is not a Python literal (quote strings: key='a b')") from None
-
-
-def parse_target(target: str, args: Sequence[str] = ()) -> Target:
-    """Parse ``package.module:factory`` and its ``key=value`` / positional arguments.
-
-    Values are Python literals read with :func:`ast.literal_eval` (never ``eval``);
-    a bare word that is not a literal (``relu``) is taken as a string.
-
-    Args:
-        target: ``package.module:factory`` (the factory may be dotted: ``Class.method``).
-        args: ``key=value`` items and positional literals.
-
-    Raises:
-        UsageError: a malformed target or argument.
+    Today: a parameter whose verdict is ``packed`` or ``mixed`` (:attr:`AuditReport.packed`);
+    ``ambiguous``, ``unknown`` and undecided verdicts never fail the check.
 
     Examples:
-        >>> parse_target("torch.nn:MultiheadAttention", ["embed_dim=512", "num_heads=8"])
-        Target(module='torch.nn', attr='MultiheadAttention', args=(), kwargs=(('embed_dim', 512), ('num_heads', 8)))
+        >>> affected(audit(torch.nn.MultiheadAttention(64, 4)))  # xavier on the packed (3E, E) tensor
+        True
+        >>> affected(audit(torch.nn.Linear(8, 8)))  # nothing packed
+        False
     """
-    module, sep, attr = target.partition(":")
-    if not sep or not _DOTTED.match(module) or not _DOTTED.match(attr):
-        raise UsageError(f"TARGET {target!r} must look like package.module:factory, e.g. 'torch.nn:MultiheadAttention'")
-    pos: list[Any] = []
-    kw: dict[str, Any] = {}
-    for item in args:
-        key, eq, value = item.partition("=")
-        if eq and key.isidentifier():
-            if key in kw:
-                raise UsageError(f"argument {key!r} given twice")
-            kw[key] = _literal(value, f"argument {key}")
-        else:
-            if kw:
-                raise UsageError(f"positional argument {item!r} after keyword arguments")
-            pos.append(_literal(item, "positional argument"))
-    return Target(module, attr, tuple(pos), tuple(kw.items()))
+    return bool(report.packed)
 
 
-def parse_init(text: str) -> tuple[Callable[..., Tensor], Reference]:
-    """Parse ``--init``: a ``torch.nn.init`` function name, optionally called with literals.
-
-    ``xavier_uniform_``, ``kaiming_normal_(nonlinearity='relu')``, ``uniform_(-0.1, 0.1)``.
-
-    Returns:
-        The function and the :class:`~packedinit.audit.Reference` for its std.
-
-    Raises:
-        UsageError: not a name or call of literals, or not a supported function.
+def json_safe(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by ``None``, so ``json.dumps(..., allow_nan=False)`` works.
 
     Examples:
-        >>> fn, ref = parse_init("kaiming_normal_(mode='fan_out')")
-        >>> fn is torch.nn.init.kaiming_normal_, ref.name
-        (True, "kaiming_normal_(mode='fan_out')")
+        >>> json_safe({"std": float("nan"), "blocks": [1.0, float("inf"), (2, float("-inf"))]})
+        {'std': None, 'blocks': [1.0, None, [2, None]]}
     """
-    try:
-        node = ast.parse(text.strip(), mode="eval").body
-    except SyntaxError:
-        raise UsageError(f"--init {text!r}: expected a name like xavier_uniform_ or a call like f(gain=2.0)") from None
-    args: list[Any] = []
-    kwargs: dict[str, Any] = {}
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-        name = node.func.id
-        try:
-            args = [ast.literal_eval(a) for a in node.args]
-            for k in node.keywords:
-                if k.arg is None:
-                    raise ValueError("**kwargs")
-                kwargs[k.arg] = ast.literal_eval(k.value)
-        except ValueError:
-            raise UsageError(f"--init {text!r}: arguments must be Python literals") from None
-    elif isinstance(node, ast.Name):
-        name = node.id
-    else:
-        raise UsageError(f"--init {text!r}: expected a name like xavier_uniform_ or a call like f(gain=2.0)")
-    name = name.removeprefix("torch.nn.init.")
-    fn = getattr(torch.nn.init, name, None)
-    if fn is None or name.startswith("_") or not callable(fn):
-        raise UsageError(f"--init: torch.nn.init has no function {name!r}")
-    try:
-        bound = inspect.signature(fn).bind(None, *args, **kwargs)
-    except TypeError as e:
-        raise UsageError(f"--init {text!r}: {e}") from None
-    kw = {k: v for k, v in list(bound.arguments.items())[1:]}
-    try:
-        ref = Reference.of(name, **kw)
-    except PackedInitError as e:
-        raise UsageError(f"--init: {e}") from None
-    return fn, ref
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
-def _is_hf_config(obj: object) -> bool:
-    return any(
-        c.__name__ in ("PretrainedConfig", "PreTrainedConfig") and c.__module__.startswith("transformers")
-        for c in type(obj).__mro__
-    )
-
-
-def build_target(target: Target) -> nn.Module:
-    """Import and call a :class:`Target`; build a transformers model from a config.
-
-    The rule: the factory is called with the arguments. If it returns an ``nn.Module``
-    that is the model. If it returns a transformers config (``transformers:GPT2Config``,
-    ``transformers:AutoConfig.for_model``), the model is
-    ``transformers.AutoModel.from_config(config)`` (the base model, randomly initialised,
-    nothing downloaded). A module instance named by the target is used as is.
-
-    Raises:
-        UsageError: the module or attribute cannot be found, the call raised, or the
-            result is neither an ``nn.Module`` nor a transformers config.
-    """
-    try:
-        obj: Any = importlib.import_module(target.module)
-    except Exception as e:  # any import failure is reported as one line
-        raise UsageError(f"cannot import {target.module!r}: {type(e).__name__}: {e}") from None
-    for part in target.attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise UsageError(f"{target.module}:{target.attr}: {part!r} not found") from None
-        except Exception as e:  # lazy attributes (transformers) may fail on access
-            raise UsageError(f"{target.module}:{target.attr}: {type(e).__name__}: {e}") from None
-    if isinstance(obj, nn.Module) and not target.args and not target.kwargs:
-        return obj
-    if not callable(obj):
-        raise UsageError(f"{target.module}:{target.attr} is a {type(obj).__name__}, not a factory or class")
-    try:
-        result = obj(*target.args, **dict(target.kwargs))
-        if _is_hf_config(result):
-            auto_model = importlib.import_module("transformers").AutoModel
-            result = auto_model.from_config(result)
-    except Exception as e:  # the user's factory may raise anything: one line
-        msg = " ".join(str(e).split())
-        raise UsageError(f"{target} failed: {type(e).__name__}: {msg[:300]}") from None
-    if not isinstance(result, nn.Module):
-        raise UsageError(f"{target} returned a {type(result).__name__}, not an nn.Module or a transformers config")
-    return result
+def _write_json(out: TextIO, doc: Any) -> None:
+    out.write(json.dumps(json_safe(doc), indent=2, allow_nan=False) + "\n")
 
 
 #: The demo model's description, shown in the output.
@@ -341,12 +237,31 @@ def render_comparison(reports: Sequence[tuple[str, AuditReport]], ref: Reference
     return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``packedinit: error: ... (see 'packedinit audit --help')``, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"packedinit: error: {' '.join(message.split())} (see '{self.prog} --help')\n")
+
+
+def _seed_type(text: str) -> int:
+    try:
+        return parse_seed(text)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--seed ")) from None
+
+
+_EXIT_CODES = (
+    "exit codes: 0 ok; 1 --check found affected parameters; 2 bad command line or target (a factory that raised "
+    "included); 3 packedinit refused the model; 130 interrupted."
+)
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="packedinit",
         description="Correct torch.nn.init for packed parameters (fused QKV, LSTM/GRU gates, GQA, MoE experts).",
-        epilog="exit codes: 0 ok; 1 --check found packed-init signatures; 2 bad command line or target; "
-        "3 packedinit refused the model; 130 interrupted.",
+        epilog=_EXIT_CODES,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -356,12 +271,11 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Audit every packed parameter of a model, block by block: measured std, what per-block and "
         "whole-tensor (packed) inits give, and a verdict. With no TARGET: a built-in demo model "
         "(TransformerEncoderLayer, LSTM, GRU), before and after packedinit.",
-        epilog="TARGET is package.module:factory; ARGs are key=value (or positional) Python literals. "
+        epilog="TARGET is package.module:factory: it is imported and called like python -c would (never pass one "
+        "you do not trust); ARGs are key=value (or positional) Python literals, never evaluated code. "
         "A factory returning a transformers config is built with transformers.AutoModel.from_config. "
         "Examples: 'torch.nn:MultiheadAttention embed_dim=512 num_heads=8', "
-        "'transformers:GPT2Config n_layer=2 n_embd=64 n_head=4'. "
-        "Exit codes: 0 ok; 1 --check found packed-init signatures; 2 bad command line or target; "
-        "3 packedinit refused the model; 130 interrupted.",
+        "'transformers:GPT2Config n_layer=2 n_embd=64 n_head=4'. " + _EXIT_CODES,
     )
     a.add_argument("target", nargs="?", metavar="TARGET", help="package.module:factory (default: the demo model)")
     a.add_argument("args", nargs="*", metavar="ARG", help="factory arguments: key=value or positional literals")
@@ -371,10 +285,16 @@ def _build_parser() -> argparse.ArgumentParser:
         help="also show the effect of this torch.nn.init function run on each packed tensor and run per block "
         "(e.g. xavier_uniform_, \"kaiming_normal_(nonlinearity='relu')\"); the demo uses xavier_uniform_",
     )
-    a.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    a.add_argument("--json", action="store_true", help="print JSON instead of tables (NaN/inf are written as null)")
     a.add_argument("--meta", action="store_true", help="build the model on the meta device: shapes and fans only")
-    a.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building and each init (default 0)")
-    a.add_argument("--check", action="store_true", help="exit 1 if the model as built shows the packed-init signature")
+    a.add_argument(
+        "--seed",
+        type=_seed_type,
+        default=0,
+        metavar="N",
+        help="torch.manual_seed(N) before building and each init (default 0; 0 <= N < 2**64)",
+    )
+    a.add_argument("--check", action="store_true", help="exit 1 if parameters of the model as built are affected")
     return parser
 
 
@@ -385,7 +305,7 @@ def _version() -> str:
 
 
 def _error(stream: TextIO, msg: str) -> None:
-    stream.write(f"packedinit: error: {msg}\n")
+    stream.write(f"packedinit: error: {' '.join(msg.split())}\n")
     stream.flush()
 
 
@@ -417,12 +337,23 @@ def _apply(
                 fn(p, **kw)
 
 
+def _build(ns: argparse.Namespace, target: Target | None, target_text: str, progress: Progress) -> nn.Module:
+    torch.manual_seed(ns.seed)
+    progress.say(f"packedinit: building {target_text}")
+    try:
+        with torch.device("meta") if ns.meta else nullcontext():
+            return demo_model() if target is None else build_target(target)
+    finally:
+        progress.clear()
+
+
 def _run_audit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     progress = Progress(err)
-    init: tuple[Callable[..., Tensor], Reference] | None = parse_init(ns.init) if ns.init else None
+    init: tuple[Callable[..., Tensor], Reference] | None = parse_init(ns.init) if ns.init is not None else None
+    target: Target | None = None
     if ns.target is None:
         if ns.args:
-            raise UsageError(f"arguments {ns.args} need a TARGET")
+            raise UsageError(f"arguments {shorten(' '.join(ns.args))} need a TARGET")
         if init is None:
             init = parse_init("xavier_uniform_")
         target_text = "demo model: " + DEMO
@@ -433,24 +364,17 @@ def _run_audit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         as_built = "as built"
     if init is not None and ns.meta:
         raise UsageError("--init needs real tensors to measure; drop --meta")
-    torch.manual_seed(ns.seed)
-    progress.say(f"packedinit: building {target_text}")
-    try:
-        with torch.device("meta") if ns.meta else nullcontext():
-            model = demo_model() if ns.target is None else build_target(target)
-    finally:
-        progress.clear()
+    model = _build(ns, target, target_text, progress)
     try:
         layouts = _layouts(model)
         if init is None:
             report = audit(model, layouts=layouts, progress=progress.step("auditing"))
             progress.clear()
             if ns.json:
-                out.write(json.dumps({"target": target_text, "report": report.to_dict()}, indent=2, allow_nan=False))
-                out.write("\n")
+                _write_json(out, {"target": target_text, "report": report.to_dict()})
             else:
                 out.write(f"target: {target_text}\n{report}\n")
-            return EXIT_PACKED if ns.check and report.packed else EXIT_OK
+            return EXIT_PACKED if ns.check and affected(report) else EXIT_OK
         fn, ref = init
         refs = (ref,)
         reports: list[tuple[str, AuditReport]] = []
@@ -462,18 +386,15 @@ def _run_audit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         torch.manual_seed(ns.seed)
         _apply(model, layouts, fn, ref, True, progress, f"{ref.fn} per block")
         reports.append(("chunked", audit(model, layouts=layouts, references=refs, progress=progress.step("auditing"))))
+    finally:
         progress.clear()
-    except PackedInitError as e:
-        progress.clear()
-        _error(err, " ".join(str(e).split()))
-        return EXIT_REFUSED
     if ns.json:
         doc = {
             "target": target_text,
             "init": {"fn": ref.fn, "kwargs": dict(ref.kwargs), "describe": ref.describe()},
             "scenarios": [{"name": n, "report": r.to_dict()} for n, r in reports],
         }
-        out.write(json.dumps(doc, indent=2, allow_nan=False) + "\n")
+        _write_json(out, doc)
     else:
         title = f"packedinit audit (seed {ns.seed})\n{target_text}"
         out.write(render_comparison(reports, ref, title) + "\n")
@@ -488,16 +409,31 @@ def _run_audit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             f"fix: packedinit.chunked(torch.nn.init.{ref.fn})(model{kw}) runs it per logical block "
             "(the 'chunked' column).\n"
         )
-    return EXIT_PACKED if ns.check and reports[0][1].packed else EXIT_OK
+    return EXIT_PACKED if ns.check and affected(reports[0][1]) else EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
     """Run the command line; return the exit code (see the module docstring).
 
+    ``python -m packedinit audit [TARGET [ARG ...]] [--init FN] [--json] [--meta] [--seed N] [--check]``;
+    ``packedinit --version``; ``-h`` / ``--help`` on either.
+
     Args:
         argv: the arguments (default ``sys.argv[1:]``).
         stdout: where results go (default ``sys.stdout``).
         stderr: where errors and progress go (default ``sys.stderr``).
+
+    Returns:
+        0 ok; 1 ``--check`` found affected parameters; 2 bad command line or target (a factory
+        that raised included); 3 packedinit refused the model; 130 interrupted.
+
+    Examples:
+        >>> import io
+        >>> err = io.StringIO()
+        >>> main(["audit", "--seed", "10**30"], stderr=err)
+        2
+        >>> print(err.getvalue().strip())
+        packedinit: error: argument --seed: '10**30': expected an integer from 0 to 2**64 - 1 (see ...)
     """
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
@@ -508,18 +444,22 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     except SystemExit as e:  # argparse: --help / --version (0) or a usage error (2), already printed
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     try:
-        return _run_audit(ns, out, err)
+        with redirect_stdout(err):  # whatever else prints (a factory, a library) never lands in our output
+            return _run_audit(ns, out, err)
     except UsageError as e:
         _error(err, str(e))
         return EXIT_USAGE
     except PackedInitError as e:
-        _error(err, " ".join(str(e).split()))
+        _error(err, str(e))
         return EXIT_REFUSED
     except KeyboardInterrupt:
         _error(err, "interrupted")
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # `packedinit audit | head`
         return EXIT_OK
+    except Exception as e:  # a bug or a value torch cannot take: one line, not a traceback
+        _error(err, f"internal error: {type(e).__name__}: {shorten(str(e), 300)} (please report it)")
+        return EXIT_USAGE
 
 
 @contextmanager
