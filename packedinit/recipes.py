@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -277,7 +277,10 @@ def init_recurrent_(
     hidden_init: InitSpec = orthogonal_,
     forget_bias: float = 1.0,
     *,
+    input_kwargs: Mapping[str, Any] | None = None,
+    hidden_kwargs: Mapping[str, Any] | None = None,
     generator: torch.Generator | None = None,
+    **init_kwargs: Any,
 ) -> M:
     r"""The usual LSTM/GRU init, per gate, for every layer and direction.
 
@@ -302,13 +305,22 @@ def init_recurrent_(
     ``forget_bias`` is not used. Gate names for per-gate specs: LSTM
     ``i, f, g, o``, GRU ``r, z, n``, RNN ``h``.
 
+    Options of the init functions need no ``functools.partial``: other keywords
+    (``gain=2.0``) go to both ``input_init`` and ``hidden_init``; ``input_kwargs`` /
+    ``hidden_kwargs`` go to one side only and win over the shared ones. The names of
+    this function's own keywords are never ones a ``torch.nn.init`` function takes
+    (``generator`` means the same everywhere), so they cannot collide.
+
     Args:
         module: a recurrent module, or a model containing some.
         input_init: init fn for the input-to-hidden blocks; or per gate (a list, or
             a mapping by gate name).
         hidden_init: init fn for the hidden-to-hidden blocks; or per gate.
         forget_bias: the LSTM forget-gate bias (in ``bias_ih`` only).
+        input_kwargs: keyword arguments for ``input_init`` only.
+        hidden_kwargs: keyword arguments for ``hidden_init`` only.
         generator: used for every draw (the global RNG is then untouched).
+        **init_kwargs: keyword arguments for both ``input_init`` and ``hidden_init``.
 
     Returns:
         ``module`` itself.
@@ -325,13 +337,24 @@ def init_recurrent_(
         >>> w = lstm.weight_hh_l0[2 * H:3 * H]  # the g gate's recurrent matrix
         >>> torch.allclose(w @ w.T, torch.eye(H), atol=1e-5)
         True
+        >>> gru = init_recurrent_(torch.nn.GRU(4, 8), gain=2.0, input_kwargs={"gain": 1.0})
+        >>> w = gru.weight_hh_l0[:H]  # r gate: orthogonal_ with gain 2
+        >>> torch.allclose(w @ w.T, 4 * torch.eye(H), atol=1e-4)
+        True
     """
     if not isinstance(module, nn.Module):
         raise PackedInitError(f"init_recurrent_(module) needs an nn.Module, got {type(module).__name__}.")
+    for what, kw in (("input_kwargs", input_kwargs), ("hidden_kwargs", hidden_kwargs)):
+        if kw is not None and (not isinstance(kw, Mapping) or not all(isinstance(k, str) for k in kw)):
+            raise PackedInitError(f"init_recurrent_: {what} must be a mapping of keyword names, got {kw!r}.")
+    if "generator" in (input_kwargs or {}) or "generator" in (hidden_kwargs or {}):
+        raise PackedInitError("init_recurrent_: pass generator= once, as init_recurrent_(..., generator=g).")
     gen = _check_generator(generator, "init_recurrent_")
     if isinstance(forget_bias, bool) or not isinstance(forget_bias, numbers.Real) or not math.isfinite(forget_bias):
         raise PackedInitError(f"init_recurrent_: forget_bias must be a finite number, got {forget_bias!r}.")
-    wkw: dict[str, Any] = {"generator": gen} if gen is not None else {}
+    gkw: dict[str, Any] = {"generator": gen} if gen is not None else {}
+    ikw = {**init_kwargs, **(input_kwargs or {}), **gkw}
+    hkw = {**init_kwargs, **(hidden_kwargs or {}), **gkw}
     jobs: list[tuple[str, Tensor, Layout | None, InitSpec, tuple[Any, ...], dict[str, Any]]] = []
     found = False
     for prefix, m in module.named_modules():
@@ -343,16 +366,16 @@ def init_recurrent_(
         for n, p in m.named_parameters(recurse=False):
             fqn = f"{prefix}.{n}" if prefix else n
             if n.startswith("weight_ih"):
-                jobs.append((fqn, p, gates, input_init, (), wkw))
+                jobs.append((fqn, p, gates, input_init, (), ikw))
             elif n.startswith("weight_hh"):
-                jobs.append((fqn, p, gates, hidden_init, (), wkw))
+                jobs.append((fqn, p, gates, hidden_init, (), hkw))
             elif n.startswith("weight_hr"):
                 if not callable(input_init):
                     raise PackedInitError(
                         f"init_recurrent_: {fqn!r} (proj_size projection, one matrix) needs one function, but "
                         f"input_init is per gate ({type(input_init).__name__}); pass a function."
                     )
-                jobs.append((fqn, p, None, input_init, (), wkw))
+                jobs.append((fqn, p, None, input_init, (), ikw))
             elif n.startswith("bias_ih") and is_lstm and gates is not None:
                 fill = functools.partial(constant_, val=float(forget_bias))
                 jobs.append((fqn, p, gates, {"i": zeros_, "f": fill, "g": zeros_, "o": zeros_}, (), {}))
