@@ -12,8 +12,9 @@ from .adapters import register_builtins as _register_builtins
 from .adapters.fused import fused_gate_up, fused_qkv
 from .api import ChunkedInit, chunked, chunked_init
 from .audit import AuditReport, BlockAudit, ParamAudit, Reference, audit
+from .chunks import Chunks, logical_blocks
 from .errors import PackedInitError
-from .layout import Chunks, Layout, LogicalBlock, logical_blocks
+from .layout import Layout, LogicalBlock
 from .plan import InitFn, InitSpec
 from .recipes import init_recurrent_, reset_parameters
 from .registry import Adapter, annotate, layouts, register, registered, unregister

@@ -14,9 +14,10 @@ from typing import Any, Concatenate, ParamSpec, Protocol, overload
 
 from torch import Tensor, nn
 
+from .chunks import Chunks
 from .errors import PackedInitError
 from .execute import PLAIN_TYPES, lean_call, lean_flags, lean_ok
-from .layout import Chunks, Layout, is_int
+from .layout import Layout, is_int
 from .marks import param_layout
 from .plan import InitSpec, Request
 from .run import run

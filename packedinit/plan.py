@@ -19,8 +19,9 @@ from typing import Any, TypeAlias
 import torch
 from torch import Tensor
 
+from .chunks import Chunks, as_layout
 from .errors import PackedInitError, packed_error
-from .layout import Chunks, Layout, LogicalBlock, as_layout, fmt_shape, is_int
+from .layout import Layout, LogicalBlock, fmt_shape, is_int
 from .traits import (
     DETERMINISTIC_FNS,
     REJECTIONS,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .chunks import Chunks, as_layout
 from .distributed import init_dtensor
 from .execute import PLAIN_TYPES, LocalSink, Scratch, execute, run_whole
-from .layout import Chunks, Layout, as_layout
+from .layout import Layout
 from .plan import Plan, Request, cacheable, make_plan, typed
 from .traits import is_dtensor
 

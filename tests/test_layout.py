@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from packedinit import Layout, LogicalBlock, PackedInitError, logical_blocks
-from packedinit.layout import as_layout
+from packedinit.chunks import as_layout
 
 
 def storage_index(
