@@ -13,11 +13,12 @@ from .adapters.fused import fused_gate_up, fused_qkv
 from .api import ChunkedInit, chunked, chunked_init
 from .audit import AuditReport, BlockAudit, ParamAudit, Reference, audit
 from .chunks import Chunks, logical_blocks
+from .claims import annotate, layouts
 from .errors import PackedInitError
 from .layout import Layout, LogicalBlock
 from .plan import InitFn, InitSpec
 from .recipes import init_recurrent_, reset_parameters
-from .registry import Adapter, annotate, layouts, register, registered, unregister
+from .registry import Adapter, register, registered, unregister
 from .torch_defaults import fix_torch_defaults
 from .walk import init_model
 

@@ -806,7 +806,7 @@ def audit(
     if not isinstance(model, nn.Module):
         raise PackedInitError(f"audit(model) needs an nn.Module, got {type(model).__name__}.")
     if layouts is None:
-        from .registry import layouts as _layouts
+        from .claims import layouts as _layouts
 
         layouts = _layouts(model)
     all_named = list(model.named_parameters(remove_duplicate=False))

@@ -310,7 +310,7 @@ def _error(stream: TextIO, msg: str) -> None:
 
 
 def _layouts(model: nn.Module) -> dict[str, Layout]:
-    from .registry import layouts
+    from .claims import layouts
 
     return dict(layouts(model))
 

@@ -6,7 +6,8 @@ importing their package). Lookup follows the MRO, so subclasses, and FSDP2's dyn
 created ``FSDP<Name>`` classes, are covered. :func:`annotate` marks a single instance and
 beats any adapter. :func:`layouts` resolves a whole model once.
 
-Built-in adapters (:mod:`packedinit.adapters`) are registered lazily, on the first lookup,
+What adapters and annotations say about a given model (``layouts``, ``annotate``) is
+:mod:`packedinit.claims`. Built-in adapters (:mod:`packedinit.adapters`) are registered lazily, on the first lookup,
 registration or listing, through the loader the package installs with
 :func:`set_builtin_loader` (the registry never imports the adapters: they import it).
 """
@@ -14,30 +15,27 @@ registration or listing, through the loader the package installs with
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeAlias, TypeVar, overload
 
-from torch import Tensor, nn
+from torch import nn
 
 from .errors import PackedInitError
-from .layout import Layout, fmt_shape
-from .marks import ANNOTATIONS, has_annotations, stamp
-from .marks import annotations_of as stored_annotations
+from .layout import Layout
 
 __all__ = [
     "Adapter",
+    "Key",
     "register",
     "unregister",
     "registered",
-    "annotate",
-    "layouts",
     "lookup",
     "class_path",
-    "annotations_of",
-    "resolve",
-    "own_layouts",
+    "key_name",
+    "adapter_name",
+    "ensure_builtins",
     "set_builtin_loader",
 ]
 
@@ -81,7 +79,7 @@ def set_builtin_loader(loader: Callable[[], None]) -> None:
     _builtin_loader = loader
 
 
-def _ensure_builtins() -> None:
+def ensure_builtins() -> None:
     """Register :mod:`packedinit.adapters` once (re-entrant for the loading thread)."""
     global _builtins_loaded, _builtins_loader, _table
     loader = _builtin_loader
@@ -107,7 +105,8 @@ def class_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _key_name(key: Key) -> str:
+def key_name(key: Key) -> str:
+    """A key as text: the class path, or the string itself."""
     return key if isinstance(key, str) else class_path(key)
 
 
@@ -127,7 +126,8 @@ def _check_key(key: object) -> Key:
     )
 
 
-def _adapter_name(fn: object) -> str:
+def adapter_name(fn: object) -> str:
+    """``module.QualName`` of an adapter, for messages."""
     mod = getattr(fn, "__module__", None)
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
     return f"{mod}.{name}" if mod else str(name)
@@ -169,6 +169,7 @@ def register(key: Key, *, replace: bool = False) -> Callable[[Any], Any]:
 
     Examples:
         >>> import torch
+        >>> from packedinit import layouts
         >>> class FusedQKV(torch.nn.Module):
         ...     def __init__(self, d: int) -> None:
         ...         super().__init__()
@@ -185,23 +186,23 @@ def register(key: Key, *, replace: bool = False) -> Callable[[Any], Any]:
     """
     checked = _check_key(key)
     if not isinstance(replace, bool):
-        raise PackedInitError(f"register({_key_name(checked)!r}, replace={replace!r}): replace must be a bool.")
+        raise PackedInitError(f"register({key_name(checked)!r}, replace={replace!r}): replace must be a bool.")
 
     def decorator(adapter: Any) -> Any:
         global _table
         if not callable(adapter):
             raise PackedInitError(
-                f"register({_key_name(checked)!r}) decorates {adapter!r}, which is not callable; "
+                f"register({key_name(checked)!r}) decorates {adapter!r}, which is not callable; "
                 f"an adapter is fn(module) -> {{param name: Layout}}."
             )
-        _ensure_builtins()
+        ensure_builtins()
         with _lock:
             t = _table
             old = t.paths.get(checked) if isinstance(checked, str) else t.types.get(checked)
             if old is not None and not replace:
                 raise PackedInitError(
-                    f"register({_key_name(checked)!r}): {_adapter_name(old)} is already registered for it; "
-                    f"pass replace=True to replace it, or unregister({_key_name(checked)!r}) first."
+                    f"register({key_name(checked)!r}): {adapter_name(old)} is already registered for it; "
+                    f"pass replace=True to replace it, or unregister({key_name(checked)!r}) first."
                 )
             if isinstance(checked, str):
                 _table = _table_of(t.types, {**t.paths, checked: adapter})
@@ -219,6 +220,7 @@ def unregister(key: Key) -> Adapter | None:
 
     Examples:
         >>> import torch
+        >>> from packedinit import layouts
         >>> mha = unregister(torch.nn.MultiheadAttention)
         >>> layouts(torch.nn.MultiheadAttention(8, 2))
         {}
@@ -226,7 +228,7 @@ def unregister(key: Key) -> Adapter | None:
     """
     global _table
     checked = _check_key(key)
-    _ensure_builtins()
+    ensure_builtins()
     with _lock:
         t = _table
         if isinstance(checked, str):
@@ -253,7 +255,7 @@ def registered() -> Mapping[Key, Adapter]:
         >>> registered()[torch.nn.LSTM] is torch_nn.rnn_layouts
         True
     """
-    _ensure_builtins()
+    ensure_builtins()
     return _table.view
 
 
@@ -267,7 +269,7 @@ def lookup(cls: type[nn.Module]) -> tuple[Key, Adapter] | None:
         >>> lookup(MyLSTM)[0]
         <class 'torch.nn.modules.rnn.LSTM'>
     """
-    _ensure_builtins()
+    ensure_builtins()
     t = _table
     try:
         return t.cache[cls]
@@ -288,266 +290,3 @@ def lookup(cls: type[nn.Module]) -> tuple[Key, Adapter] | None:
                     break
     t.cache[cls] = found
     return found
-
-
-# -- claims: what adapters and annotations say about parameters --------------------------------
-@dataclass(frozen=True)
-class _Claim:
-    param: Tensor
-    layout: Layout | None  # None: an annotation saying "not packed"
-    annotation: bool
-    source: str  # for messages: "adapter X for T at module 'a.b'" / "annotation on module 'a.b'"
-
-
-def _where_module(path: str) -> str:
-    return f"module {path!r}" if path else "the root module"
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _own_param(module: nn.Module, name: str) -> Tensor | None:
-    """``module.get_parameter(name)`` for dotted names, or ``None`` when there is no such parameter."""
-    owner = module
-    *mods, leaf = name.split(".")
-    for m in mods:
-        sub = owner._modules.get(m)
-        if sub is None:
-            return None
-        owner = sub
-    return owner._parameters.get(leaf)
-
-
-def _param_names(module: nn.Module) -> str:
-    names = [n for n, _ in module.named_parameters()]
-    shown = ", ".join(repr(n) for n in names[:12]) + (", ..." if len(names) > 12 else "")
-    return f"[{shown}]"
-
-
-def _checked(
-    module: nn.Module, path: str, name: object, layout: object, source: str, *, allow_none: bool
-) -> tuple[Tensor, Layout | None]:
-    cls = type(module).__name__
-    if not isinstance(name, str):
-        raise PackedInitError(f"{source} returned the key {name!r}; parameter names must be strings.")
-    p = _own_param(module, name)
-    fqn = _join(path, name)
-    if p is None:
-        raise PackedInitError(
-            f"{source} claims parameter {name!r} ({fqn!r}), which {cls} does not have "
-            f"(its parameters: {_param_names(module)}); fix the adapter's names or its registered class."
-        )
-    if layout is None and allow_none:
-        return p, None
-    if not isinstance(layout, Layout):
-        raise PackedInitError(
-            f"{source} gives {type(layout).__name__} {layout!r} for parameter {fqn!r} of shape "
-            f"{fmt_shape(p.shape)}; give a packedinit.Layout, e.g. Layout(0, [E, E, E])."
-        )
-    try:
-        layout.check(p.shape, param=fqn)
-    except PackedInitError as e:
-        raise PackedInitError(f"{source}: {e}") from None
-    return p, layout
-
-
-def _claims(module: nn.Module, path: str, where: str | None = None, *, annotations: bool = True) -> Iterator[_Claim]:
-    """Annotations on ``module``, then its adapter's claims, each checked against the parameter.
-
-    ``path`` prefixes parameter names in messages; ``where`` describes the module
-    (default: its path).
-    """
-    where = where or _where_module(path)
-    anns: Mapping[str, Layout | None] | None = module.__dict__.get(ANNOTATIONS) if annotations else None
-    if anns:
-        source = f"annotation on {where} ({type(module).__name__})"
-        for name, layout in anns.items():
-            p, lay = _checked(module, path, name, layout, source, allow_none=True)
-            yield _Claim(p, lay, True, source)
-    found = lookup(type(module))
-    if found is None:
-        return
-    key, adapter = found
-    source = f"adapter {_adapter_name(adapter)} (registered for {_key_name(key)}) at {where}"
-    try:
-        mapping = adapter(module)
-    except PackedInitError as e:
-        raise PackedInitError(f"{source}: {e}") from None
-    except Exception as e:
-        if hasattr(e, "add_note"):
-            e.add_note(f"raised by {source}")
-        raise
-    if not isinstance(mapping, Mapping):
-        raise PackedInitError(f"{source} returned {type(mapping).__name__}; an adapter returns {{name: Layout}}.")
-    for name, layout in mapping.items():
-        p, lay = _checked(module, path, name, layout, source, allow_none=False)
-        yield _Claim(p, lay, False, source)
-
-
-def _decide(claims: list[_Claim], fqn: str) -> Layout | None:
-    """One layout per parameter: annotations beat adapters; disagreement within a kind is an error."""
-    anns = [c for c in claims if c.annotation]
-    pool = anns or claims
-    first = pool[0]
-    for other in pool[1:]:
-        if other.layout != first.layout:
-            raise PackedInitError(
-                f"parameter {fqn!r} of shape {fmt_shape(first.param.shape)} gets two different layouts: "
-                f"{first.layout!r} from {first.source} and {other.layout!r} from {other.source}; "
-                f"annotate the instance to choose (packedinit.annotate(module, name=Layout(...)))."
-            )
-    return first.layout
-
-
-def resolve(model: nn.Module) -> list[tuple[str, Tensor, Layout | None]]:
-    """Every distinct parameter of ``model`` in ``named_parameters()`` order, with its layout or None."""
-    _ensure_builtins()
-    cache = _table.cache
-    order: dict[int, tuple[str, Tensor]] = {}
-    claimed: dict[int, list[_Claim]] = {}
-    for prefix, m in model.named_modules():
-        params = m._parameters
-        if params:
-            dot = prefix + "." if prefix else ""
-            for name, p in params.items():
-                if p is not None and id(p) not in order:
-                    order[id(p)] = (dot + name, p)
-        cls = type(m)
-        has_adapter = cache[cls] is not None if cls in cache else lookup(cls) is not None
-        if has_adapter or has_annotations(m):
-            for c in _claims(m, prefix):
-                claimed.setdefault(id(c.param), []).append(c)
-    if not claimed:
-        return [(n, p, None) for n, p in order.values()]
-    return [(n, p, _decide(claimed[k], n) if k in claimed else None) for k, (n, p) in order.items()]
-
-
-def layouts(model: nn.Module) -> dict[str, Layout]:
-    """Every packed parameter of ``model`` by fully qualified name, resolved once.
-
-    Each module's adapter (found by MRO) and annotations are read; an adapter may
-    describe its descendants' parameters (``"attn.qkv.weight"``). An instance
-    annotation beats every adapter (``annotate(m, weight=None)`` marks a parameter
-    as not packed). Tied parameters appear once, under the name
-    ``model.named_parameters()`` gives them first; the dict is in that order.
-
-    Args:
-        model: any module.
-
-    Returns:
-        ``{qualified name: Layout}`` of the packed parameters only.
-
-    Raises:
-        PackedInitError: an adapter or annotation names a parameter that does not
-            exist, gives something that is not a Layout, or a Layout that does not
-            fit the parameter's shape (the message names the adapter, the module
-            path, the parameter and its shape); or two adapters disagree.
-
-    Examples:
-        >>> import torch
-        >>> enc = torch.nn.TransformerEncoderLayer(d_model=8, nhead=2)
-        >>> for name, layout in layouts(enc).items():
-        ...     print(name, layout)
-        self_attn.in_proj_weight Layout(dim=0, sizes=(8, 8, 8), names=('q', 'k', 'v'))
-        self_attn.in_proj_bias Layout(dim=0, sizes=(8, 8, 8), names=('q', 'k', 'v'))
-    """
-    if not isinstance(model, nn.Module):
-        raise PackedInitError(f"layouts(model) needs an nn.Module, got {type(model).__name__}.")
-    return {name: layout for name, _, layout in resolve(model) if layout is not None}
-
-
-def annotate(module: Mod, **param_layouts: Layout | None) -> Mod:
-    """Mark packed parameters of one module instance; with no keywords, stamp every known one.
-
-    ``annotate(m, weight=Layout(...))`` records that ``m.weight`` is packed. The
-    annotation is stored on the module object, so it survives ``m.to(...)``,
-    ``m.to_empty(...)``, ``copy.deepcopy``, ``load_state_dict`` and FSDP2 ``fully_shard``,
-    and each annotated Parameter is marked: afterwards ``chunked(f)(m.weight)`` on the
-    bare parameter is per block, as are the idioms that hand parameters one at a time
-    (a ``for p in model.parameters()`` loop, an ``_init_weights(module)`` run through
-    ``model.apply``). A Parameter replaced later (``to_empty`` from meta, a deep copy,
-    ``fully_shard``) is found again through its module. Without any annotation a bare
-    tensor is one block, exactly as ``torch.nn.init`` sees it.
-    It beats any registered adapter; ``None`` marks a parameter as *not* packed.
-    A dotted name (``**{"qkv.weight": layout}``) is stored on the submodule that
-    owns the parameter. Every layout is checked against the parameter's shape
-    before anything is recorded.
-
-    With no keywords, every packed parameter :func:`layouts` finds is stamped on the
-    module that owns it. Then ``model.apply(chunked(f))`` and any code that looks
-    at one module at a time see layouts that an ancestor's adapter describes.
-
-    Args:
-        module: the module instance.
-        **param_layouts: ``name=Layout`` (or ``None``) per parameter, relative to ``module``.
-
-    Returns:
-        ``module`` itself.
-
-    Raises:
-        PackedInitError: a parameter does not exist, or a Layout does not fit its shape.
-
-    Examples:
-        >>> import torch
-        >>> from packedinit import chunked
-        >>> qkv = torch.nn.Linear(16, 48)  # a timm-style fused qkv projection
-        >>> _ = annotate(qkv, weight=Layout(0, [16, 16, 16]), bias=Layout(0, [16, 16, 16]))
-        >>> chunked(torch.nn.init.xavier_uniform_)(qkv)
-        >>> bool(qkv.weight.abs().max() <= (6 / 32) ** 0.5)
-        True
-        >>> annotate(qkv, weight=Layout(0, [16, 16]))
-        Traceback (most recent call last):
-        ...
-        packedinit.errors.PackedInitError: annotate(Linear, ...): parameter 'weight' of shape (48, 16) with ...
-    """
-    if not isinstance(module, nn.Module):
-        raise PackedInitError(f"annotate(module, ...) needs an nn.Module, got {type(module).__name__}.")
-    stamps: dict[int, tuple[nn.Module, dict[str, Layout | None]]] = {}
-    if param_layouts:
-        source = f"annotate({type(module).__name__}, ...)"
-        for name, layout in param_layouts.items():
-            _checked(module, "", name, layout, source, allow_none=True)
-            *mods, leaf = name.split(".")
-            owner = module.get_submodule(".".join(mods)) if mods else module
-            stamps.setdefault(id(owner), (owner, {}))[1][leaf] = layout
-    else:
-        owners = {id(p): (m, n) for m in module.modules() for n, p in m._parameters.items() if p is not None}
-        for _, p, layout in resolve(module):
-            if layout is not None:
-                owner, leaf = owners[id(p)]
-                stamps.setdefault(id(owner), (owner, {}))[1][leaf] = layout
-    for owner, new in stamps.values():
-        stamp(owner, new)
-    return module
-
-
-def annotations_of(module: nn.Module) -> Mapping[str, Layout | None]:
-    """The annotations :func:`annotate` stored on ``module`` itself (read-only, leaf names)."""
-    return MappingProxyType(dict(stored_annotations(module)))
-
-
-def own_layouts(module: nn.Module, ancestors: Sequence[nn.Module]) -> dict[int, Layout | None]:
-    """Layouts of ``module``'s own parameters (``recurse=False``), keyed by ``id(param)``.
-
-    Sources: ``module``'s annotations and adapter, and the adapters of ``ancestors``
-    (which may describe a descendant's parameters). Only claimed parameters appear.
-    """
-    _ensure_builtins()
-    cache = _table.cache
-    sources = [
-        (i, m)
-        for i, m in enumerate((module, *ancestors))
-        if (i == 0 and has_annotations(m))
-        or (cache[type(m)] is not None if type(m) in cache else lookup(type(m)) is not None)
-    ]
-    if not sources:
-        return {}
-    own = {id(p): n for n, p in module._parameters.items() if p is not None}
-    claimed: dict[int, list[_Claim]] = {}
-    for i, m in sources:
-        where = f"{'the' if i == 0 else 'an ancestor'} {type(m).__name__} module"
-        for c in _claims(m, "", where, annotations=i == 0):
-            if id(c.param) in own:
-                claimed.setdefault(id(c.param), []).append(c)
-    return {k: _decide(v, own[k]) for k, v in claimed.items()}

@@ -26,12 +26,12 @@ from typing import Any, TypeAlias
 from torch import Tensor, nn
 
 from .chunks import Chunks
+from .claims import own_layouts, resolve
 from .distributed import DTensorPlan, plan_dtensor, write_planned
 from .errors import PackedInitError
 from .execute import LocalSink, Scratch, execute, run_whole
 from .layout import Layout
 from .plan import Plan, Request, make_plan
-from .registry import own_layouts, resolve
 from .traits import fn_name, is_dtensor
 
 __all__ = [

@@ -18,7 +18,8 @@ import packedinit
 from packedinit import Layout, PackedInitError, annotate, layouts, register, registered, unregister
 from packedinit.adapters import _import_optional
 from packedinit.adapters.torch_nn import multihead_attention_layouts, rnn_layouts
-from packedinit.registry import annotations_of, class_path, lookup
+from packedinit.claims import annotations_of
+from packedinit.registry import class_path, lookup
 
 E = 4
 QKV = Layout(0, [E, E, E], names=("q", "k", "v"))
