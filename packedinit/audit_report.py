@@ -348,7 +348,10 @@ class AuditReport:
         looks = [s for s in self.suspects if not s.affected]
         tail = ""
         if looks:
-            tail = f"; {len(looks)} more look packed (not affected by their current init; annotate them, lines above)"
+            tail = (
+                f"; {len(looks)} parameter(s) look packed but their current init is not affected"
+                " (annotate them, lines above, before you re-initialise)"
+            )
         if hit:
             names = ", ".join(hit[:3]) + (f" and {len(hit) - 3} more" if len(hit) > 3 else "")
             pre = (
@@ -360,7 +363,11 @@ class AuditReport:
             return f"affected: {len(hit)} packed {word} initialised whole ({names}); fix: {pre}{self.fix()}{tail}"
         checked = len(self.params)
         und = self.undecided
-        text = f"not affected: none of {checked} packed parameter(s) was initialised whole"
+        text = (
+            f"not affected: none of {checked} packed parameter(s) was initialised whole"
+            if checked
+            else "not affected: no packed parameters"
+        )
         if und:
             text += f" ({len(und)} undecided: too few values to tell)"
         return text + "; nothing to fix" + tail

@@ -235,7 +235,12 @@ def judge(samples: Sequence[Sample], refs: Sequence[Reference]) -> Judgement:
             fns,
         )
     if packed:
-        parts = [*(f"packed {f.ref.name}" for f in packed), *(_label(f.ref) for f in others)]
+        parts = [
+            *(f"packed {f.ref.name}" for f in packed),
+            *(f"per-block {f.ref.name}" for f in per_block),
+            *(_label(f.ref) for f in (*fan_indep, *same)),
+            *(f"{f.ref.name} (per-block or packed: too few values)" for f in noisy),
+        ]
         return Judgement("undecided", tuple(parts), "undecided: fits " + " and ".join(parts))
     by = _signals(rivals_of_rest)
     if per_block or (same and not fan_indep):
