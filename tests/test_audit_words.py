@@ -145,3 +145,27 @@ def test_answer_fix_for_a_user_init_works_lstm() -> None:
     after = audit(lstm)
     assert after.affected == ()
     assert after["weight_ih_l0"].verdict == "per-block"
+
+
+def test_single_block_storage_is_counted_and_worded_apart() -> None:
+    torch.manual_seed(2)
+    model = _tiny("gpt2")
+    c_fc = model.get_parameter("transformer.h.0.mlp.c_fc.weight")  # Conv1D: stored (in, out) = (32, 128)
+    init.kaiming_uniform_(c_fc)  # reads the stored shape: fan_in 128, which is also the logical fan_out
+    rep = audit(model)
+    p = rep["transformer.h.0.mlp.c_fc.weight"]
+    assert not p.multi_block
+    assert p.verdict == "undecided"  # kaiming_in on the stored tensor == kaiming_out per block: cannot tell
+    assert p.detail == "undecided: fits packed kaiming_in and per-block kaiming_out"
+    assert rep.affected == ()
+    assert "6 single-block stored transposed or batched (5 fan-independent, 1 undecided)" in rep.summary()
+    torch.manual_seed(3)
+    moe = _tiny("mixtral")
+    down = moe.get_parameter("model.layers.0.mlp.experts.down_proj")  # (experts, out, in): one block per expert
+    init.xavier_uniform_(down)  # fans of the 3-D tensor, not of each expert's (out, in)
+    rep = audit(moe)
+    q = rep["model.layers.0.mlp.experts.down_proj"]
+    assert not q.multi_block
+    assert q.detail.startswith("packed (the init ran on the stored shape, not the logical one): xavier")
+    assert rep.affected == ("model.layers.0.mlp.experts.down_proj",)
+    assert rep.fix() == "packedinit.chunked(torch.nn.init.xavier_uniform_)(model)"
