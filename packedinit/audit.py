@@ -99,13 +99,10 @@ def _param_verdict(blocks: Sequence[BlockAudit], shape: tuple[int, ...], refs: S
         if kinds == {"constant"}:
             return Judgement("constant", (), "constant")
         return Judgement("n/a", (), "n/a (1-D: no fans)")
-    if "per-block" in kinds and "packed" in kinds:
-        per = [b.label for b in blocks if b.verdict == "per-block"]
+    if "packed" in kinds and kinds & {"per-block", "fan-independent"}:
+        per = [b.label for b in blocks if b.verdict in ("per-block", "fan-independent")]
         pk = [b.label for b in blocks if b.verdict == "packed"]
         return Judgement("mixed", (), f"mixed: per-block {', '.join(per)}; packed {', '.join(pk)}")
-    if len(informative) == 1:
-        b = informative[0]
-        return Judgement(b.verdict, b.matches, b.detail, b.decided_by)
     samples = [
         Sample(b.numel, b.std, b.kurtosis or 3.0, b.maxabs or 0.0, b.shape, shape)
         for b in informative
@@ -219,7 +216,8 @@ def audit_tensors(
         for k, (name, t, layout) in enumerate(items):
             if progress is not None:
                 progress(k, len(items), name)
-            extra = [r for r in (context or {}).get(name, ()) if r.name not in {x.name for x in refs}]
+            known = {(x.fn, x.kwargs) for x in refs}  # a context init equal to a reference adds nothing
+            extra = [r for r in (context or {}).get(name, ()) if (r.fn, r.kwargs) not in known]
             all_refs = (*refs, *extra)
             _check_refs(all_refs)
             params.append(

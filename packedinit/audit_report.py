@@ -235,7 +235,8 @@ class Suspect:
 def _fix_call(report: AuditReport) -> str:
     """The one call that re-initialises the affected parameters per block."""
     hit = [p for p in report.params if p.affected] + [s.audit for s in report.suspects if s.affected]
-    if all(p.module == "MultiheadAttention" for p in hit):  # torch's own packed default: re-run it per block
+    if all(p.module == "MultiheadAttention" and "xavier_uniform_" in p.fns for p in hit):
+        # torch's own packed default (xavier_uniform_ on in_proj_weight): re-run the defaults per block
         return "packedinit.reset_parameters(model)"
     p = hit[0]
     refs = {r.name: r for r in (*report.references, *p.context)}

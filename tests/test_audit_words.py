@@ -169,3 +169,18 @@ def test_single_block_storage_is_counted_and_worded_apart() -> None:
     assert q.detail.startswith("packed (the init ran on the stored shape, not the logical one): xavier")
     assert rep.affected == ("model.layers.0.mlp.experts.down_proj",)
     assert rep.fix() == "packedinit.chunked(torch.nn.init.xavier_uniform_)(model)"
+
+
+def test_fix_keeps_a_users_own_init_on_mha_and_mixed_blocks() -> None:
+    torch.manual_seed(4)
+    mha = nn.MultiheadAttention(64, 4)
+    init.orthogonal_(mha.in_proj_weight)  # the user's init, on the packed tensor: not torch's default
+    rep = audit(mha)
+    assert rep["in_proj_weight"].matches == ("orthogonal",)
+    assert rep.fix() == "packedinit.chunked(torch.nn.init.orthogonal_)(model)"
+    init.xavier_uniform_(mha.in_proj_weight)
+    with torch.no_grad():  # q re-initialised on its own with normal(0, 0.02): per block; k, v still packed
+        mha.in_proj_weight[:64].normal_(0, 0.02)
+    p = audit(mha)["in_proj_weight"]
+    assert p.verdict == "mixed"
+    assert p.detail == "mixed: per-block q; packed k, v"
