@@ -7,9 +7,10 @@
 Linear and Conv, at small and large sizes, one fresh module per seed. Each weight of 2 dims or more
 is audited: with the registry's layout where it has one (GRU/LSTM gates, MHA's in_proj), otherwise
 with a layout as if it were a fused projection (3 equal blocks along dim 0, or as many as the
-hidden size allows). MHA's ``in_proj_weight`` is the one torch default that *is* a packed init
-(xavier_uniform_ on the (3E, E) tensor, pytorch/pytorch#166378): it counts as a detection, not a
-trial here. A trial is false when the parameter's verdict is ``packed`` or ``mixed``.
+hidden size allows); and GRU/LSTM and their cells of random sizes 1..40 (a trial is a module).
+MHA's ``in_proj_weight`` is the one torch default that *is* a packed init (xavier_uniform_ on the
+(3E, E) tensor, pytorch/pytorch#166378): it counts as a detection, not a trial here. A trial is
+false when the verdict is ``packed`` or ``mixed``.
 
 (b) Detection: ``xavier_uniform_``, ``xavier_normal_``, ``orthogonal_``, ``kaiming_uniform_`` and
 ``kaiming_normal_`` with ``mode="fan_out"`` run on the whole packed tensor, for common layouts
@@ -94,6 +95,22 @@ def false_packed(seeds: int) -> list[Rate]:
                     undecided += p.verdict == "undecided"
             rows.append(Rate(what, size, trials, packed, undecided, "torch default"))
     return rows
+
+
+def random_sizes(trials: int) -> list[Rate]:
+    """(a''): GRU / LSTM / GRUCell / LSTMCell with random sizes 1..40, torch's default: modules read ``packed``."""
+    import random
+
+    rng = random.Random(0)
+    kinds: list[type[nn.Module]] = [nn.GRU, nn.LSTM, nn.GRUCell, nn.LSTMCell]
+    packed = undecided = 0
+    for t in range(trials):
+        kind = rng.choice(kinds)
+        torch.manual_seed(t)
+        rep = audit(kind(rng.randint(1, 40), rng.randint(1, 40)))
+        packed += bool(rep.affected)
+        undecided += bool(rep.undecided)
+    return [Rate("GRU/LSTM/cells", "random 1..40", trials, packed, undecided, "modules, torch default")]
 
 
 LAYOUTS: dict[str, tuple[tuple[int, ...], Layout]] = {
@@ -196,8 +213,10 @@ def main(argv: list[str] | None = None) -> None:
     """Print the tables of docs/pages/audit.md."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=60, help="seeds per row (default 60)")
+    ap.add_argument("--random", type=int, default=3000, help="recurrent modules of random size (default 3000)")
     ns = ap.parse_args(argv)
     fp, pb, det = false_packed(ns.seeds), detection(ns.seeds, per_block=True), detection(ns.seeds)
+    fp += random_sizes(ns.random)
     print(f"(a) torch's defaults, {ns.seeds} seeds: a 'packed' here is a false alarm\n")
     print(table(fp, ("module", "size")))
     print(f"\n(a') per-block init (chunked_init), {ns.seeds} seeds: a 'packed' here is a false alarm\n")
