@@ -129,7 +129,8 @@ def test_lstm_default_init_is_not_fan_based() -> None:
     rep = audit(lstm, layouts=lstm_layouts(lstm))
     for b in rep["weight_ih_l0"].blocks:
         assert b.std == pytest.approx(1 / math.sqrt(3 * 128), rel=0.05)
-        assert b.verdict == "unknown"
+        assert b.verdict == "fan-independent"  # torch's recurrent default (was "unknown" before issue 11)
+        assert b.matches == ("rnn_default",)
 
 
 def test_gqa_uneven_blocks() -> None:
@@ -318,13 +319,15 @@ def test_small_lstm_default_is_not_mistaken_for_a_packed_init() -> None:
 
 def test_parameter_verdict_pools_the_blocks() -> None:
     # LSTM(8, 16): blocks of 128 values are too few to reject packed xavier (14% away, 3.6 standard errors)
-    # one by one; pooled over the 4 gates (512 values) the parameter is correctly not called packed.
+    # one by one: each block is undecided (before issue 11 they read "packed"); pooled over the 4 gates
+    # (512 values) packed xavier is ruled out and only torch's recurrent default remains.
     torch.manual_seed(0)
     lstm = nn.LSTM(8, 16)
     p = audit(lstm, layouts=lstm_layouts(lstm))["weight_ih_l0"]
-    assert "packed" in {b.verdict for b in p.blocks}
-    assert p.verdict == "unknown"
-    assert p.detail.startswith("unknown (nearest: packed xavier")
+    assert "packed" not in {b.verdict for b in p.blocks}
+    assert "undecided" in {b.verdict for b in p.blocks}
+    assert p.verdict == "fan-independent"
+    assert "std (pooled)" in p.decided_by
     # and pooling sharpens a true packed signature: GQA blocks of different sizes, packed xavier
     w = torch.empty(8 * 8 + 2 * 2 * 8, 64)
     init.xavier_uniform_(w, generator=torch.Generator().manual_seed(1))
@@ -359,17 +362,17 @@ def test_per_block_init_is_never_called_packed(k: int, out: int, fan_in: int, fn
     chunked_init(w, k, 0, fn, generator=g)
     rep = audit_tensors([("w", w, Layout(0, [out] * k))])
     verdicts = {b.verdict for b in rep["w"].blocks}
-    assert verdicts <= {"per-block", "ambiguous"}, [b.detail for b in rep["w"].blocks]
+    assert verdicts <= {"per-block", "undecided"}, [b.detail for b in rep["w"].blocks]
     name = "xavier" if "xavier" in fn.__name__ else "kaiming_in"
-    assert all(name in b.matches or b.verdict == "ambiguous" for b in rep["w"].blocks)
+    assert all(name in b.matches or b.verdict == "undecided" for b in rep["w"].blocks)
     whole = torch.empty(k * out, fan_in)
     fn(whole, generator=g)
     verdicts = {b.verdict for b in audit_tensors([("w", whole, Layout(0, [out] * k))])["w"].blocks}
     if name == "xavier":  # xavier depends on fan_out: the packed signature shows (or is too small to tell)
-        assert verdicts <= {"packed", "ambiguous"}
+        assert verdicts <= {"packed", "undecided"}
     else:  # kaiming fan_in does not change with dim-0 packing: per-block by construction (small
-        # blocks may also sit near another reference's packed std: then ambiguous, never packed)
-        assert verdicts <= {"per-block", "ambiguous"}
+        # blocks may also sit near another reference's packed std: then undecided, never packed)
+        assert verdicts <= {"per-block", "undecided"}
 
 
 @pytest.mark.parametrize(

@@ -48,7 +48,7 @@ def _python_blocks(page: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", (PAGES / page).read_text(), flags=re.DOTALL)
 
 
-@pytest.mark.parametrize("page", ["index.md", "problem.md", "quickstart.md", "cli.md"])
+@pytest.mark.parametrize("page", ["index.md", "problem.md", "quickstart.md", "cli.md", "audit.md"])
 def test_code_blocks_run(page: str, capsys: pytest.CaptureFixture[str]) -> None:
     blocks = _python_blocks(page)
     assert blocks, page
@@ -57,7 +57,8 @@ def test_code_blocks_run(page: str, capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     if page == "quickstart.md":
         assert "self_attn.in_proj_weight Layout(dim=0, sizes=(32, 32, 32), names=('q', 'k', 'v'))" in out
-        assert "packed: xavier (per-block std would be 1.41x)" in out
+        assert "packed: xavier (per-block std would be 1.41x); decided by std" in out
+        assert "affected: 1 packed parameter initialised whole (in_proj_weight)" in out
         assert out.rstrip().endswith("per-block")
 
 

@@ -1,0 +1,153 @@
+r"""Parameters nobody described that look packed: the audit's "looks packed" heuristics.
+
+A parameter is a candidate when no layout describes it (see :func:`packedinit.layouts`), no
+annotation names it, and neither its module nor any ancestor module has a registered adapter
+(an adapter on an attention block already said which of its children are packed). A candidate
+weight (2-D or more) *looks packed* when one of two rules holds:
+
+1. **Name.** The module's attribute name or the parameter's own name contains a fused-projection
+   word: ``qkv`` / ``wqkv`` / ``c_attn`` / ``in_proj`` / ``query_key_value`` (3 blocks),
+   ``gate_up`` / ``up_gate`` / ``w13`` / ``w1_3`` (2 blocks), ``kv`` as a word, ``kv_proj``,
+   ``to_kv`` (2 blocks). The packed dim must divide evenly.
+2. **Shape.** A linear layer (``in_features`` / ``out_features``) whose output is ``k * m``
+   with ``k`` in {2, 3}, while a sibling linear layer (same parent module) reads vectors of
+   size ``m`` and *no* sibling reads vectors of the full size ``k * m``: the output is split
+   before it is used (``qkv: d -> 3d`` beside ``proj: d -> d``; ``w13: d -> 2h`` beside
+   ``w2: h -> d``). An MLP expansion ``fc1: d -> 4d`` is read whole by ``fc2: 4d -> d``, so it
+   is never flagged; neither are Llama's separate ``q_proj`` / ``k_proj`` / ``gate_proj``.
+
+The guess splits the packed dim evenly (dim 1, transposed, for GPT-2-style ``Conv1D`` modules
+with an ``nf`` attribute; dim 0 otherwise). For grouped-query attention, where q is larger than
+k and v, replace the guessed sizes with :func:`packedinit.fused_qkv`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from .layout import Layout
+from .registry import annotations_of, lookup
+
+__all__ = ["Guess", "guesses"]
+
+_QKV = re.compile(r"qkv|c_attn|in_proj|query_key_value")
+_GATE_UP = re.compile(r"gate_up|up_gate|w13|w1_3|fc13")
+_KV = re.compile(r"(^|_)w?kv($|_)|kv_proj|to_kv")
+
+
+@dataclass(frozen=True)
+class Guess:
+    """One parameter that looks packed, with the layout guessed and the line that describes it."""
+
+    name: str
+    param: Tensor
+    layout: Layout
+    why: str
+    annotate: str
+
+
+def _layout_repr(layout: Layout) -> str:
+    args = [str(layout.dim), repr(list(layout.sizes))]
+    if layout.transposed:
+        args.append("transposed=True")
+    if layout.names is not None:
+        args.append(f"names={tuple(layout.names)!r}")
+    return f"packedinit.Layout({', '.join(args)})"
+
+
+def annotate_line(entries: list[tuple[str, Layout]]) -> str:
+    """A ready-to-paste ``packedinit.annotate(model, ...)`` call for ``(dotted name, layout)`` pairs.
+
+    Examples:
+        >>> print(annotate_line([("blk.qkv.weight", Layout(0, [8, 8, 8], names=("q", "k", "v")))]))
+        packedinit.annotate(model, **{'blk.qkv.weight': packedinit.Layout(0, [8, 8, 8], names=('q', 'k', 'v'))})
+    """
+    if all("." not in n for n, _ in entries):
+        body = ", ".join(f"{n}={_layout_repr(lay)}" for n, lay in entries)
+    else:
+        body = "**{" + ", ".join(f"{n!r}: {_layout_repr(lay)}" for n, lay in entries) + "}"
+    return f"packedinit.annotate(model, {body})"
+
+
+def _by_name(word: str) -> tuple[int, tuple[str, ...] | None, str] | None:
+    w = word.lower()
+    for pattern, k, names in ((_QKV, 3, ("q", "k", "v")), (_GATE_UP, 2, ("gate", "up")), (_KV, 2, ("k", "v"))):
+        m = pattern.search(w)
+        if m is not None:
+            return k, names, f"name {word!r} ({m.group(0).strip('_')})"
+    return None
+
+
+def _linear_like(m: nn.Module) -> tuple[int, int] | None:
+    fi, fo = getattr(m, "in_features", None), getattr(m, "out_features", None)
+    return (fi, fo) if isinstance(fi, int) and isinstance(fo, int) else None
+
+
+def _by_shape(attr: str, module: nn.Module, parent: nn.Module | None) -> tuple[int, str] | None:
+    io = _linear_like(module)
+    if io is None or parent is None:
+        return None
+    sibling_in = {
+        n: lin[0] for n, s in parent.named_children() if s is not module and (lin := _linear_like(s)) is not None
+    }
+    out = io[1]
+    if out in sibling_in.values():  # some sibling reads the whole output: not split
+        return None
+    for k in (3, 2):
+        if out % k == 0 and (out // k) in sibling_in.values():
+            reader = next(n for n, fi in sibling_in.items() if fi == out // k)
+            return k, f"out_features {out} = {k} x {out // k}, the input size of sibling {reader!r}"
+    return None
+
+
+def _covered(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module | None]]:
+    """``(path, module, parent)`` of every module that neither it nor an ancestor has an adapter for."""
+    stack: list[tuple[str, nn.Module, nn.Module | None]] = [("", model, None)]
+    seen: set[int] = set()
+    while stack:
+        path, mod, parent = stack.pop()
+        if id(mod) in seen or lookup(type(mod)) is not None:
+            continue
+        seen.add(id(mod))
+        yield path, mod, parent
+        for n, child in reversed(list(mod.named_children())):
+            stack.append((f"{path}.{n}" if path else n, child, mod))
+
+
+def guesses(model: nn.Module, described: Collection[str]) -> list[Guess]:
+    """The parameters of ``model`` that look packed and that no layout in ``described`` covers."""
+    out: list[Guess] = []
+    taken: set[int] = set()
+    for path, mod, parent in _covered(model):
+        notes = annotations_of(mod)
+        attr = path.rpartition(".")[2]
+        for leaf, p in mod.named_parameters(recurse=False):
+            fqn = f"{path}.{leaf}" if path else leaf
+            if fqn in described or leaf in notes or p.dim() < 2 or id(p) in taken:
+                continue
+            transposed = isinstance(getattr(mod, "nf", None), int) and p.shape[-1] == getattr(mod, "nf", None)
+            dim = 1 if transposed else 0
+            found = _by_name(leaf) or (_by_name(attr) if attr else None)
+            if found is not None:
+                k, names, why = found
+            else:
+                shaped = _by_shape(attr, mod, parent) if leaf == "weight" else None
+                if shaped is None:
+                    continue
+                k, why = shaped
+                names = None
+            size = int(p.shape[dim])
+            if size % k or size < k:
+                continue
+            layout = Layout(dim, [size // k] * k, transposed=transposed, names=names)
+            entries = [(fqn, layout)]
+            bias = getattr(mod, "bias", None) if leaf == "weight" else None
+            if isinstance(bias, Tensor) and bias.dim() == 1 and int(bias.shape[0]) == size:
+                entries.append((f"{path}.bias" if path else "bias", Layout(0, [size // k] * k, names=names)))
+            taken.add(id(p))
+            out.append(Guess(fqn, p, layout, why, annotate_line(entries)))
+    return out
