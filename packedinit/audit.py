@@ -71,7 +71,7 @@ def _unmeasured_reason(t: Tensor) -> str | None:
     return None
 
 
-_NON_FINITE = "unknown: non-finite values (NaN or inf), no statistics"
+_NON_FINITE = "unknown: non-finite values (nan or inf), no statistics"
 
 
 def _judge_block(

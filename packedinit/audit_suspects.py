@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from .claims import annotations_of
 from .layout import Layout
-from .registry import annotations_of, lookup
+from .registry import lookup
 
 __all__ = ["Guess", "guesses"]
 

@@ -37,6 +37,7 @@ import json
 import math
 import shutil
 import sys
+import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext, redirect_stdout
 from typing import Any, NoReturn, TextIO
@@ -79,8 +80,10 @@ EXIT_INTERRUPTED = 130
 def affected(report: AuditReport) -> bool:
     """Whether ``--check`` fails (exit 1): some parameter of the model as built is affected by packing.
 
-    Today: a parameter whose verdict is ``packed`` or ``mixed`` (:attr:`AuditReport.packed`);
-    ``ambiguous``, ``unknown`` and undecided verdicts never fail the check.
+    That is :attr:`AuditReport.affected`: a described parameter whose verdict is ``packed`` or
+    ``mixed``, or an undescribed one that looks packed and whose values show the packed
+    init under the guessed layout. ``undecided``, ``unknown`` and ``fan-independent``
+    verdicts never fail the check.
 
     Examples:
         >>> affected(audit(torch.nn.MultiheadAttention(64, 4)))  # xavier on the packed (3E, E) tensor
@@ -88,7 +91,7 @@ def affected(report: AuditReport) -> bool:
         >>> affected(audit(torch.nn.Linear(8, 8)))  # nothing packed
         False
     """
-    return bool(report.packed)
+    return bool(report.affected)
 
 
 def json_safe(value: Any) -> Any:
@@ -167,7 +170,14 @@ def _fmt_std(x: float | None) -> str:
     return f"{x:.4f}" if x >= 1e-3 or x == 0 else f"{x:.1e}"
 
 
-_SHORT = {"per-block": "ok", "packed": "PACKED", "ambiguous": "?", "unknown": "other", "constant": "const"}
+_SHORT = {
+    "per-block": "ok",
+    "packed": "PACKED",
+    "undecided": "?",
+    "unknown": "other",
+    "constant": "const",
+    "fan-independent": "fan-indep",
+}
 
 
 def _packed_items(model: nn.Module, layouts: dict[str, Layout]) -> Iterator[tuple[str, Tensor, Layout]]:
@@ -185,7 +195,8 @@ def render_comparison(reports: Sequence[tuple[str, AuditReport]], ref: Reference
     first = reports[0][1]
     lines = [title, f"init: {ref.describe()}; 'per-block' = the std it gives each logical block on its own"]
     lines.append("cells: measured std, ratio to per-block, verdict (ok = per-block; PACKED = the init ran on the")
-    lines.append("       whole packed tensor; other = neither)")
+    lines.append("       whole packed tensor; fan-indep = an init that reads no fans, so packing does not change it;")
+    lines.append("       ? = undecided (too few values); other = neither)")
     lines.append("")
     rows: list[tuple[str, ...]] = []
     for pi, p in enumerate(first.params):
@@ -228,9 +239,10 @@ def render_comparison(reports: Sequence[tuple[str, AuditReport]], ref: Reference
                 if b.fan_in is None or b.std is None or not e:
                     continue
                 ratios.append(b.std / e)
-                counts[_SHORT.get(b.verdict, b.verdict)] = counts.get(_SHORT.get(b.verdict, b.verdict), 0) + 1
+                counts[b.verdict] = counts.get(b.verdict, 0) + 1
         if ratios:
-            tally = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+            words = {k: _SHORT[k] if k in ("packed", "per-block") else k for k in counts}
+            tally = ", ".join(f"{v} {words[k]}" for k, v in sorted(counts.items()))
             lines.append(f"{name}: {tally}; std / per-block std from {min(ratios):.2f}x to {max(ratios):.2f}x")
     if not rows:
         lines.append("no 2-D packed parameters: nothing to compare.")
@@ -400,7 +412,8 @@ def _run_audit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         out.write(render_comparison(reports, ref, title) + "\n")
         if ns.target is None:
             out.write(
-                "note: LSTM/GRU's own default, uniform(-1/sqrt(hidden), 1/sqrt(hidden)), is not fan-based ('other');\n"
+                "note: LSTM/GRU's own default, uniform(-1/sqrt(hidden), 1/sqrt(hidden)), reads no fans: packing does\n"
+                "      not change it (fan-independent);\n"
                 "      MultiheadAttention's default is xavier_uniform_ on the packed (3E, E) tensor:\n"
                 "      1/sqrt(2) too small per block (pytorch/pytorch#166378).\n"
             )
@@ -409,6 +422,8 @@ def _run_audit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             f"fix: packedinit.chunked(torch.nn.init.{ref.fn})(model{kw}) runs it per logical block "
             "(the 'chunked' column).\n"
         )
+        answer = textwrap.fill(reports[0][1].answer(), width=110, subsequent_indent="  ", break_on_hyphens=False)
+        out.write(f"answer for the model as built (its own default init):\n{answer}\n")
     return EXIT_PACKED if ns.check and affected(reports[0][1]) else EXIT_OK
 
 

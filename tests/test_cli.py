@@ -69,7 +69,8 @@ def test_default_demo_before_and_after() -> None:
     assert lines[i + 1].rstrip().endswith("ok")
     for name in ("lstm.weight_ih_l0", "lstm.weight_hh_l0", "gru.weight_ih_l0", "gru.weight_hh_l0"):
         assert any(line.startswith(name) for line in lines), name
-    assert "torch default: 3 PACKED, 14 fan-independent" in out
+    assert "torch default: 14 fan-independent, 3 PACKED" in out
+    assert "affected: 1 packed parameter initialised whole (encoder.self_attn.in_proj_weight)" in out
     assert "xavier_uniform_(p): 17 PACKED" in out
     assert "chunked: 17 ok" in out
 
