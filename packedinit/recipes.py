@@ -375,10 +375,10 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
         if strict:
             raise PackedInitError(message)
         warnings.warn(message.replace(" or pass strict=False to initialise everything else and", " or"), stacklevel=2)
-    owners_of: dict[int, list[nn.Module]] = {}
+    owners_of: dict[int, list[tuple[nn.Module, str]]] = {}
     for m in module.modules():
-        for t in _own_tensors(m):
-            owners_of.setdefault(id(t), []).append(m)
+        for n, t in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)):
+            owners_of.setdefault(id(t), []).append((m, n))
     routed = _GeneratorAsDefault(gen) if gen is not None else None
     with hf_flags_cleared(module):
         for step in steps:
@@ -390,8 +390,12 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
                 step.run()
 
 
-def _globalize(stack: contextlib.ExitStack, step: _Step, owners_of: dict[int, list[nn.Module]]) -> None:
-    """DTensor parameters the step writes become global-shape tensors while it runs (see ``global_params``)."""
+def _globalize(stack: contextlib.ExitStack, step: _Step, owners_of: dict[int, list[tuple[nn.Module, str]]]) -> None:
+    """DTensor parameters the step writes become global-shape tensors while it runs (see ``global_params``).
+
+    A tied DTensor (GPT-2's ``wte.weight`` is ``lm_head.weight``) gets one stand-in shared by
+    every module that holds it, so whichever module the step writes through, all agree.
+    """
     written = [t for t in (step.covers or ()) if _is_dtensor(t)]
     if not written:
         return
@@ -399,10 +403,18 @@ def _globalize(stack: contextlib.ExitStack, step: _Step, owners_of: dict[int, li
 
     seen: set[int] = set()
     for t in written:
-        for m in owners_of.get(id(t), []):
+        for m, _ in owners_of.get(id(t), []):
             if id(m) not in seen:
                 seen.add(id(m))
                 stack.enter_context(global_params(m))
+    for t in written:
+        holders = owners_of.get(id(t), [])
+        if len(holders) > 1:
+            first, name = holders[0]
+            shared = first._parameters.get(name, first._buffers.get(name))
+            for m, n in holders[1:]:
+                store = m._parameters if n in m._parameters else m._buffers
+                store[n] = shared  # type: ignore[assignment]  # the global stand-in of the same tensor
 
 
 def _check_routable(m: nn.Module, gen: torch.Generator, tensors: list[Tensor]) -> None:
