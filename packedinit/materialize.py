@@ -22,12 +22,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = [
     "WriteRecorder",
     "dry_run",
+    "globalize",
     "hf_flags_cleared",
     "hf_owners",
     "is_hf_pretrained",
     "meta_stand_ins",
     "retie",
     "storage_key",
+    "tensor_holders",
+    "uncovered_message",
 ]
 
 
@@ -169,3 +172,72 @@ def hf_flags_cleared(model: nn.Module) -> Iterator[None]:
     finally:
         for t in flagged:
             t._is_hf_initialized = True  # type: ignore[attr-defined]  # put back as found
+
+
+# -- coverage report and DTensor stand-ins ---------------------------------------------------------
+def uncovered_message(module: nn.Module, covered: set[int]) -> str | None:
+    """The error/warning text naming every parameter and buffer not in ``covered`` (ids), or None."""
+    params = [(n, p) for n, p in module.named_parameters() if id(p) not in covered]
+    buffers = [(n, b) for n, b in module.named_buffers() if id(b) not in covered]
+    if not params and not buffers:
+        return None
+
+    def owner(name: str) -> str:
+        return type(module.get_submodule(name.rpartition(".")[0])).__name__
+
+    def shape(t: Tensor) -> str:
+        return "(" + ", ".join(str(d) for d in t.shape) + (",)" if t.dim() == 1 else ")")
+
+    parts = [f"{n!r} (shape {shape(p)}, in {owner(n)})" for n, p in params]
+    persistent: set[str] = set()
+    for prefix, m in module.named_modules():
+        kept = (b for b in m._buffers if b not in m._non_persistent_buffers_set)
+        persistent.update(f"{prefix}.{b}" if prefix else b for b in kept)
+    parts += [
+        f"buffer {n!r} (shape {shape(b)}, {'persistent' if n in persistent else 'non-persistent'}, in {owner(n)})"
+        for n, b in buffers
+    ]
+    return (
+        f"reset_parameters({type(module).__name__}): no known init covers {len(params)} parameter(s) and "
+        f"{len(buffers)} buffer(s): {', '.join(parts)}. Their values come from code packedinit cannot see "
+        f"(after to_empty they are uninitialised memory). Fix: give the module a reset_parameters() method that "
+        f"fills them (torch's convention), or pass strict=False to initialise everything else and fill these "
+        f"yourself."
+    )
+
+
+def tensor_holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """``id(tensor) -> [(module, name), ...]``: every module that holds it (a tied tensor has several)."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in model.modules():
+        for n, t in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)):
+            holders.setdefault(id(t), []).append((m, n))
+    return holders
+
+
+def globalize(
+    stack: contextlib.ExitStack[Any], written: list[Tensor], holders: dict[int, list[tuple[nn.Module, str]]]
+) -> None:
+    """The DTensors in ``written`` become global-shape tensors until ``stack`` closes (see ``global_params``).
+
+    A tied DTensor (GPT-2's ``wte.weight`` is ``lm_head.weight``) gets one stand-in shared by
+    every module that holds it, so whichever module the init code writes through, all agree.
+    """
+    if not written:
+        return
+    from .distributed import global_params
+
+    seen: set[int] = set()
+    for t in written:
+        for m, _ in holders.get(id(t), []):
+            if id(m) not in seen:
+                seen.add(id(m))
+                stack.enter_context(global_params(m))
+    for t in written:
+        held = holders.get(id(t), [])
+        if len(held) > 1:
+            first, name = held[0]
+            shared = first._parameters.get(name, first._buffers.get(name))
+            for m, n in held[1:]:
+                store: dict[str, Any] = m._parameters if n in m._parameters else m._buffers
+                store[n] = shared  # the global stand-in of the same tensor

@@ -32,7 +32,16 @@ from .adapters.torch_nn import LSTM_GATES, QKV, gate_layout, gate_names
 from .engine import InitSpec, Plan, _is_dtensor, _run, _Scratch, execute, make_plan
 from .errors import PackedInitError
 from .layout import Layout
-from .materialize import dry_run, hf_flags_cleared, hf_owners, meta_stand_ins, retie
+from .materialize import (
+    dry_run,
+    globalize,
+    hf_flags_cleared,
+    hf_owners,
+    meta_stand_ins,
+    retie,
+    tensor_holders,
+    uncovered_message,
+)
 from .walk import _init_tree
 
 __all__ = ["reset_parameters", "init_recurrent_"]
@@ -263,36 +272,6 @@ def _dry_run_all(module: nn.Module, steps: list[_Step]) -> list[_Step]:
     return kept
 
 
-def _uncovered_message(module: nn.Module, covered: set[int]) -> str | None:
-    params = [(n, p) for n, p in module.named_parameters() if id(p) not in covered]
-    buffers = [(n, b) for n, b in module.named_buffers() if id(b) not in covered]
-    if not params and not buffers:
-        return None
-
-    def owner(name: str) -> str:
-        return type(module.get_submodule(name.rpartition(".")[0])).__name__
-
-    def shape(t: Tensor) -> str:
-        return "(" + ", ".join(str(d) for d in t.shape) + (",)" if t.dim() == 1 else ")")
-
-    parts = [f"{n!r} (shape {shape(p)}, in {owner(n)})" for n, p in params]
-    persistent: set[str] = set()
-    for prefix, m in module.named_modules():
-        kept = (b for b in m._buffers if b not in m._non_persistent_buffers_set)
-        persistent.update(f"{prefix}.{b}" if prefix else b for b in kept)
-    parts += [
-        f"buffer {n!r} (shape {shape(b)}, {'persistent' if n in persistent else 'non-persistent'}, in {owner(n)})"
-        for n, b in buffers
-    ]
-    return (
-        f"reset_parameters({type(module).__name__}): no known init covers {len(params)} parameter(s) and "
-        f"{len(buffers)} buffer(s): {', '.join(parts)}. Their values come from code packedinit cannot see "
-        f"(after to_empty they are uninitialised memory). Fix: give the module a reset_parameters() method that "
-        f"fills them (torch's convention), or pass strict=False to initialise everything else and fill these "
-        f"yourself."
-    )
-
-
 def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = None, strict: bool = True) -> None:
     r"""Initialise every parameter as construction did, with packed blocks initialised on their own.
 
@@ -370,51 +349,21 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
     retie(module)
     steps = _dry_run_all(module, _plan(module, gen))
     covered = {id(t) for step in steps for t in (step.covers or ())}
-    message = _uncovered_message(module, covered)
+    message = uncovered_message(module, covered)
     if message is not None:
         if strict:
             raise PackedInitError(message)
         warnings.warn(message.replace(" or pass strict=False to initialise everything else and", " or"), stacklevel=2)
-    owners_of: dict[int, list[tuple[nn.Module, str]]] = {}
-    for m in module.modules():
-        for n, t in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)):
-            owners_of.setdefault(id(t), []).append((m, n))
+    holders = tensor_holders(module)
     routed = _GeneratorAsDefault(gen) if gen is not None else None
     with hf_flags_cleared(module):
         for step in steps:
             with contextlib.ExitStack() as stack:
                 if step.globalize:
-                    _globalize(stack, step, owners_of)
+                    globalize(stack, [t for t in (step.covers or ()) if _is_dtensor(t)], holders)
                 if step.route and routed is not None:
                     stack.enter_context(routed)
                 step.run()
-
-
-def _globalize(stack: contextlib.ExitStack, step: _Step, owners_of: dict[int, list[tuple[nn.Module, str]]]) -> None:
-    """DTensor parameters the step writes become global-shape tensors while it runs (see ``global_params``).
-
-    A tied DTensor (GPT-2's ``wte.weight`` is ``lm_head.weight``) gets one stand-in shared by
-    every module that holds it, so whichever module the step writes through, all agree.
-    """
-    written = [t for t in (step.covers or ()) if _is_dtensor(t)]
-    if not written:
-        return
-    from .distributed import global_params
-
-    seen: set[int] = set()
-    for t in written:
-        for m, _ in owners_of.get(id(t), []):
-            if id(m) not in seen:
-                seen.add(id(m))
-                stack.enter_context(global_params(m))
-    for t in written:
-        holders = owners_of.get(id(t), [])
-        if len(holders) > 1:
-            first, name = holders[0]
-            shared = first._parameters.get(name, first._buffers.get(name))
-            for m, n in holders[1:]:
-                store = m._parameters if n in m._parameters else m._buffers
-                store[n] = shared  # type: ignore[assignment]  # the global stand-in of the same tensor
 
 
 def _check_routable(m: nn.Module, gen: torch.Generator, tensors: list[Tensor]) -> None:
