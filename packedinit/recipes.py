@@ -6,10 +6,13 @@ own; ``init_recurrent_`` is the usual recurrent init (orthogonal recurrent, forg
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import numbers
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -28,6 +31,16 @@ from torch.nn.init import (
 from .adapters.torch_nn import LSTM_GATES, QKV, gate_layout, gate_names
 from .errors import PackedInitError
 from .layout import Layout
+from .materialize import (
+    dry_run,
+    globalize,
+    hf_flags_cleared,
+    hf_owners,
+    meta_stand_ins,
+    retie,
+    tensor_holders,
+    uncovered_message,
+)
 from .plan import InitSpec, Request
 from .run import run
 from .traits import is_dtensor
@@ -185,11 +198,107 @@ def _replay_for(m: nn.Module) -> Callable[[Any, torch.Generator | None], None] |
     return None
 
 
-def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = None) -> None:
-    r"""Re-run the default init of every submodule, with packed blocks initialised on their own.
+@dataclass
+class _Step:
+    """One init step of ``reset_parameters``: what it runs and which tensors it fills."""
 
-    Visits every distinct submodule children first (the order torch constructs them
-    in) and re-runs its own default init:
+    module: nn.Module
+    run: Callable[[], None]
+    route: bool  # run with the generator routed through the default CPU RNG
+    covers: Sequence[Tensor] | None  # None: found by a dry run on meta stand-ins
+    globalize: bool = False  # DTensor parameters it writes become global-shape tensors meanwhile
+
+
+def _reset_hf_lstm(m: nn.LSTM, generator: torch.Generator | None) -> None:
+    """transformers' default for ``nn.LSTM`` (xavier on every weight, zero biases), per gate."""
+    kw: dict[str, Any] = {"generator": generator} if generator is not None else {}
+    gates = gate_layout(m)
+    for name, p in m.named_parameters():
+        if "weight" in name:
+            layout = gates if name.startswith(("weight_ih", "weight_hh")) else None
+            run(Request(p, layout, None, xavier_uniform_, (), kw, name))
+        elif "bias" in name:
+            run(Request(p, None, None, constant_, (0.0,), {}, name))
+
+
+def _hf_init(owner: nn.Module, m: nn.Module) -> None:
+    """The model's own ``_init_weights(m)``: what ``post_init`` runs on every submodule."""
+    init_weights = getattr(owner, "_init_weights")  # noqa: B009  # transformers' method, named as it is
+    with torch.no_grad():
+        init_weights(m)
+
+
+def _default_step(m: nn.Module, gen: torch.Generator | None) -> _Step | None:
+    """Torch's own default init of ``m`` (the one construction ran), or None when it has none."""
+    replay = _replay_for(m)
+    for base in (nn.MultiheadAttention, nn.Transformer):
+        if not isinstance(m, base):
+            continue
+        covers = [p for p in m.parameters() if p.dim() > 1] if base is nn.Transformer else None
+        if getattr(type(m), "_reset_parameters", None) is getattr(base, "_reset_parameters", None):
+            # torch's default (or fix_torch_defaults'): per block
+            if isinstance(m, nn.MultiheadAttention):
+                return _Step(m, functools.partial(reset_multihead_attention, m, gen), False, list(m.parameters(False)))
+            return _Step(m, functools.partial(reset_transformer, m, gen), False, covers)
+        if gen is not None:  # a subclass's own default init is respected, as construction ran it
+            _check_routable(m, gen, _own_tensors(m))
+        return _Step(m, functools.partial(_with_global_params, m, m._reset_parameters), gen is not None, covers)
+    if replay is not None:
+        return _Step(m, functools.partial(replay, m, gen), False, list(m.parameters(recurse=False)))
+    reset = getattr(m, "reset_parameters", None)
+    if callable(reset):
+        if gen is not None:
+            _check_routable(m, gen, _own_tensors(m))
+        return _Step(m, functools.partial(_with_global_params, m, reset), gen is not None, None)
+    return None
+
+
+def _plan(module: nn.Module, gen: torch.Generator | None) -> list[_Step]:
+    owners = hf_owners(module)
+    steps: list[_Step] = []
+    for m in _post_order(module):
+        owner = owners.get(id(m))
+        if owner is not None and isinstance(m, nn.LSTM) and _replay_for(m) is not None:
+            steps.append(_Step(m, functools.partial(_reset_hf_lstm, m, gen), False, list(m.parameters())))
+            continue
+        default = _default_step(m, gen)
+        if default is not None:
+            steps.append(default)
+        if owner is not None and not isinstance(m, nn.MultiheadAttention):  # MHA: torch's own init, per block
+            if gen is not None:
+                _check_routable(m, gen, [*m.parameters(), *m.buffers()])
+            steps.append(_Step(m, functools.partial(_hf_init, owner, m), gen is not None, None, globalize=True))
+    return steps
+
+
+def _dry_run_all(module: nn.Module, steps: list[_Step]) -> list[_Step]:
+    """Fill in what each third-party step writes; drop a torch default that the model's own init overwrites."""
+    with meta_stand_ins(module) as keys:
+        for step in steps:
+            if step.covers is None:
+                written = dry_run(step.run, keys)
+                # init code that fails on meta tensors: trust the convention (a module initialises its own tensors)
+                step.covers = written if written is not None else _own_tensors(step.module)
+    kept: list[_Step] = []
+    for i, step in enumerate(steps):
+        later = steps[i + 1] if i + 1 < len(steps) else None
+        if later is not None and later.globalize and later.module is step.module and not step.globalize:
+            assert step.covers is not None
+            assert later.covers is not None
+            overwritten = {id(t) for t in later.covers}
+            if all(id(t) in overwritten for t in step.covers):
+                continue  # construction ran it, then post_init overwrote all of it: the result is the same
+        kept.append(step)
+    return kept
+
+
+def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = None, strict: bool = True) -> None:
+    r"""Initialise every parameter as construction did, with packed blocks initialised on their own.
+
+    The call that materialises a model built on the meta device
+    (``meta -> [fully_shard] -> to_empty -> reset_parameters``), and a re-init of any
+    model. Visits every distinct submodule children first (the order torch constructs
+    them in) and re-runs its own default init:
 
     - ``nn.MultiheadAttention``: torch's ``_reset_parameters`` with ``xavier_uniform_``
       per q, k, v block of ``in_proj_weight``. This is the fix proposed in
@@ -203,11 +312,22 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
     - ``Linear``, ``Conv*``, ``Embedding``, ``LSTM``/``GRU``/``RNN`` and their cells
       (unless a subclass overrides ``reset_parameters``): torch's default replayed
       call for call through packedinit's engine, bit-identical to torch, so that
-      ``generator=`` and DTensor parameters are honoured. The recurrent default,
-      :math:`\mathcal{U}(\pm 1/\sqrt{H})` on every weight and bias, does not depend
-      on fans, so it is already right per gate.
+      ``generator=`` and DTensor parameters are honoured.
     - any other module with a ``reset_parameters()`` method (``LayerNorm``,
       ``BatchNorm*``, your own modules): that method.
+    - inside a transformers ``PreTrainedModel``: after the above, the model's own
+      ``_init_weights(module)`` on every submodule, as ``post_init`` does (so
+      ``normal(0, initializer_range)``, GPT-2's scaled ``c_proj``, norms, rotary
+      ``inv_freq`` hold); a nested ``PreTrainedModel`` uses its own. Its
+      ``nn.MultiheadAttention`` and ``nn.LSTM`` defaults are run per block. Tied
+      weights are tied again first (``tie_weights()``): ``to_empty`` unties them.
+
+    What each third-party init writes is found first, by running it on meta
+    stand-ins of the tensors (no memory, no random numbers). A parameter or buffer
+    that nothing writes (a custom module with a parameter and no
+    ``reset_parameters``) is named in a ``PackedInitError`` before anything is
+    written; with ``strict=False`` it is named in one warning and left as it is.
+    Init code that fails on meta tensors is trusted to fill its module's own tensors.
 
     Clones stay independent: the layers of a ``TransformerEncoder`` (deep copies of
     one layer at construction) each get their own draws.
@@ -218,10 +338,13 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
             untouched). Modules whose ``reset_parameters()`` takes no generator
             run with the default CPU RNG temporarily set to ``generator``'s state,
             which needs a CPU generator and CPU (or meta) parameters.
+        strict: raise (the default) or only warn when some parameter or buffer is
+            covered by no known init.
 
     Raises:
         PackedInitError: ``generator`` is not a Generator, or cannot be routed
-            through some module's ``reset_parameters()``; raised before any write.
+            through some module's own init; a parameter or buffer no known init
+            covers (``strict=True``). Raised before any write.
 
     Examples:
         >>> E = 32
@@ -231,40 +354,44 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
         True
         >>> bool(mha.in_proj_weight.abs().max() > (6 / (4 * E)) ** 0.5)  # torch's packed bound
         True
+        >>> class Scale(torch.nn.Module):  # a parameter and no reset_parameters
+        ...     def __init__(self) -> None:
+        ...         super().__init__()
+        ...         self.gain = torch.nn.Parameter(torch.ones(3))
+        >>> reset_parameters(torch.nn.Sequential(torch.nn.Linear(3, 3), Scale()))
+        Traceback (most recent call last):
+        ...
+        packedinit.errors.PackedInitError: reset_parameters(Sequential): no known init covers 1 parameter(s) ...
     """
     if not isinstance(module, nn.Module):
         raise PackedInitError(f"reset_parameters(module) needs an nn.Module, got {type(module).__name__}.")
     gen = _check_generator(generator, "reset_parameters")
-    plan: list[tuple[Callable[[], None], bool]] = []  # (step, run it with the generator routed through)
-    for m in _post_order(module):
-        replay = _replay_for(m)
-        if isinstance(m, nn.MultiheadAttention):
-            plan.append((functools.partial(reset_multihead_attention, m, gen), False))
-        elif isinstance(m, nn.Transformer):
-            plan.append((functools.partial(reset_transformer, m, gen), False))
-        elif replay is not None:
-            plan.append((functools.partial(replay, m, gen), False))
-        else:
-            reset = getattr(m, "reset_parameters", None)
-            if callable(reset):
-                if gen is not None:
-                    _check_routable(m, gen)
-                plan.append((functools.partial(_with_global_params, m, reset), gen is not None))
+    retie(module)
+    steps = _dry_run_all(module, _plan(module, gen))
+    covered = {id(t) for step in steps for t in (step.covers or ())}
+    message = uncovered_message(module, covered)
+    if message is not None:
+        if strict:
+            raise PackedInitError(message)
+        warnings.warn(message.replace(" or pass strict=False to initialise everything else and", " or"), stacklevel=2)
+    holders = tensor_holders(module)
     routed = _GeneratorAsDefault(gen) if gen is not None else None
-    for step, route in plan:
-        if route and routed is not None:
-            with routed:
-                step()
-        else:
-            step()
+    with hf_flags_cleared(module):
+        for step in steps:
+            with contextlib.ExitStack() as stack:
+                if step.globalize:
+                    globalize(stack, [t for t in (step.covers or ()) if is_dtensor(t)], holders)
+                if step.route and routed is not None:
+                    stack.enter_context(routed)
+                step.run()
 
 
-def _check_routable(m: nn.Module, gen: torch.Generator) -> None:
-    bad = [t for t in _own_tensors(m) if t.device.type not in ("cpu", "meta")]
+def _check_routable(m: nn.Module, gen: torch.Generator, tensors: list[Tensor]) -> None:
+    bad = [t for t in tensors if t.device.type not in ("cpu", "meta")]
     if gen.device.type != "cpu" or bad:
         where = bad[0].device if bad else gen.device
         raise PackedInitError(
-            f"reset_parameters(generator=...): {type(m).__name__}.reset_parameters() takes no generator, and "
+            f"reset_parameters(generator=...): {type(m).__name__}'s own init takes no generator, and "
             f"packedinit can route only a CPU generator to CPU parameters through it (found {where}); "
             f"seed the default RNG instead (torch.manual_seed) and pass generator=None."
         )

@@ -107,7 +107,7 @@ def _launched(world: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict
         groups += [f"encoder:{way}" for way in ("chunked_model", "own_reset", "reset_parameters")]
         groups += ["mixed:reset_parameters"]
         if world == GPT2_WORLD:
-            groups += ["gpt2", "gpt2:chunked_model"]
+            groups += ["gpt2", "gpt2:chunked_model", "gpt2:reset_parameters"]
         try:
             _LAUNCHES[world] = launch(world, tmp_path_factory.mktemp(f"world{world}"), groups)
         except pytest.fail.Exception as e:
@@ -272,9 +272,13 @@ def test_fsdp2_reset_parameters_embedding_padding_linear_layernorm(launched: tup
     _check_model(world, results, "mixed", "reset_parameters")
 
 
-@pytest.mark.parametrize("way", ["by_hand", "chunked_model"])
+@pytest.mark.parametrize("way", ["by_hand", "chunked_model", "reset_parameters"])
 def test_fsdp2_meta_flow_tiny_gpt2(launched_gpt2: tuple[int, list[dict[str, Any]]], way: str) -> None:
-    """The same flow for a tiny transformers GPT-2 (Conv1D c_attn stored transposed, tied embeddings)."""
+    """The same flow for a tiny transformers GPT-2 (Conv1D c_attn stored transposed, tied embeddings).
+
+    ``reset_parameters``: the model's own ``_init_weights`` on DTensor parameters, tied ``wte``/``lm_head``
+    written through one global stand-in.
+    """
     world, results = launched_gpt2
     _check_model(world, results, "gpt2", way)
 

@@ -226,3 +226,18 @@ def test_packedinit_keywords_never_collide_with_torch_init_keywords() -> None:
             if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
         }
         assert not own & torch_names, (fn.__name__, own & torch_names)
+
+
+def test_reset_parameters_respects_a_subclass_default() -> None:
+    class ZeroQKV(nn.MultiheadAttention):
+        def _reset_parameters(self) -> None:  # this model's own default: torch's, then q/k/v zeroed
+            super()._reset_parameters()
+            nn.init.zeros_(self.in_proj_weight)
+
+    m = ZeroQKV(E, 4)
+    nn.init.ones_(m.in_proj_weight)
+    packedinit.reset_parameters(m)
+    assert bool(m.in_proj_weight.eq(0).all())
+    plain = nn.MultiheadAttention(E, 4)
+    packedinit.reset_parameters(plain)
+    assert per_block(plain.in_proj_weight)
