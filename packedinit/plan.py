@@ -26,15 +26,16 @@ from .traits import (
     DETERMINISTIC_FNS,
     REJECTIONS,
     TORCH_FNS,
+    DirectDraw,
     accepts_generator,
     base,
     check_fn_dtype,
     check_values,
     compute_dtype,
+    direct_draw,
     fn_name,
     hashable_in,
     substitute,
-    uniform_bounds,
     who,
 )
 
@@ -117,10 +118,10 @@ class Plan:
     )
 
     @functools.cached_property
-    def bounds(self) -> tuple[tuple[float, float] | None, ...]:
-        """Per block, the ``uniform_`` range its function draws from, where that is known exactly (else None)."""
-        out: list[tuple[float, float] | None] = []
-        known: dict[tuple[int, int | None, int | None], tuple[float, float] | None] = {}
+    def direct(self) -> tuple[DirectDraw | None, ...]:
+        """Per block, the one ``uniform_``/``normal_`` call its function makes, where known exactly (else None)."""
+        out: list[DirectDraw | None] = []
+        known: dict[tuple[int, int | None, int | None], DirectDraw | None] = {}
         for b in self.blocks:
             fn = self.fns[b.index]
             if fn is None:
@@ -128,7 +129,7 @@ class Plan:
                 continue
             key = (id(fn), b.fan_in, b.fan_out)
             if key not in known:
-                known[key] = uniform_bounds(fn, self.args, self.kwargs, b.fan_in, b.fan_out)
+                known[key] = direct_draw(fn, self.args, self.kwargs, b.fan_in, b.fan_out)
             out.append(known[key])
         return tuple(out)
 

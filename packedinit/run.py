@@ -10,14 +10,14 @@ from .distributed import init_dtensor
 from .execute import PLAIN_TYPES, LocalSink, Scratch, execute, run_whole
 from .layout import Layout
 from .plan import Plan, Request, cacheable, make_plan, typed
-from .traits import is_dtensor
+from .traits import DirectDraw, draw, is_dtensor
 
 __all__ = ["run", "is_whole"]
 
 #: Per request key (everything the checks read, see plan.make_plan), what writing such a tensor takes:
 #: the merged ``uniform_`` runs (storage offset, length, low, high, generator) when every block is one,
 #: else the plan. Bounded; cleared when full.
-_Runs = tuple[tuple[int, int, float, float, "torch.Generator | None"], ...]
+_Runs = tuple[tuple[int, int, DirectDraw, "torch.Generator | None"], ...]
 _PROGRAMS: dict[tuple[object, ...], _Runs | Plan] = {}
 _PROGRAMS_MAX = 4096
 
@@ -100,13 +100,13 @@ def _compile(plan: Plan, sink: LocalSink) -> _Runs | Plan:
     todo = plan.todo()
     if sink.geometry is None or not todo:
         return plan
-    out: list[tuple[int, int, float, float, torch.Generator | None]] = []
+    out: list[tuple[int, int, DirectDraw, torch.Generator | None]] = []
     for run_ in sink.runs(plan, todo):
-        bounds = plan.bounds[run_[0].index]
+        d = plan.direct[run_[0].index]
         g = sink.geometry[run_[0].index]
-        if bounds is None or not g.inplace:
+        if d is None or not g.inplace:  # direct draws are made in the tensor's dtype
             return plan
-        out.append((g.view[1], sum(b.numel for b in run_), bounds[0], bounds[1], plan.generator))
+        out.append((g.view[1], sum(b.numel for b in run_), d, plan.generator))
     return tuple(out)
 
 
@@ -118,7 +118,7 @@ def _replay(prog: _Runs | Plan, tensor: Tensor, scratch: Scratch | None) -> None
     grad = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)
     try:
-        for start, n, lo, hi, gen in prog:
-            tensor.as_strided((n,), (1,), offset + start).uniform_(lo, hi, generator=gen)
+        for start, n, d, gen in prog:
+            draw(tensor.as_strided((n,), (1,), offset + start), d, gen)
     finally:
         torch._C._set_grad_enabled(grad)

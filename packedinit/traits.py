@@ -42,7 +42,10 @@ __all__ = [
     "check_fn_dtype",
     "check_values",
     "convertible",
-    "uniform_bounds",
+    "direct_draw",
+    "DirectDraw",
+    "draw",
+    "joins",
 ]
 
 _init = torch.nn.init
@@ -296,41 +299,53 @@ def convertible(e: BaseException, torch_fn: bool) -> bool:
     return torch_fn and type(e) in (RuntimeError, NotImplementedError)
 
 
-_UNIFORM_DRAWS = (_init.uniform_, _init.xavier_uniform_, _init.kaiming_uniform_)
+_DIRECT = (
+    _init.uniform_,
+    _init.xavier_uniform_,
+    _init.kaiming_uniform_,
+    _init.normal_,
+    _init.xavier_normal_,
+    _init.kaiming_normal_,
+)
 _PLAIN_NUMBER = (int, float)
+#: A draw the executor may make itself: ("uniform", low, high) or ("normal", mean, std).
+DirectDraw = tuple[str, float, float]
 
 
-def uniform_bounds(
+def direct_draw(
     fn: Callable[..., Tensor], args: tuple[Any, ...], kwargs: Mapping[str, Any], fan_in: int | None, fan_out: int | None
-) -> tuple[float, float] | None:
-    """The ``(low, high)`` that ``fn(block, *args, **kwargs)`` hands ``Tensor.uniform_``, or ``None``.
+) -> DirectDraw | None:
+    """The one ``Tensor.uniform_``/``normal_`` call ``fn(block, *args, **kwargs)`` makes, or ``None``.
 
-    For ``uniform_``, ``xavier_uniform_`` and ``kaiming_uniform_`` (also as partials) with plain
-    number arguments, the same float arithmetic as ``torch.nn.init`` on a block with these
-    fans, so the executor may call ``block.uniform_(low, high, generator=...)`` itself: the
-    same draws, bit for bit, without the Python wrapper's per-call cost (the engine tests
-    compare every layout against torch's own functions on separate tensors). ``None`` when
-    the arguments are anything else: then the function itself is called.
+    For ``uniform_``, ``normal_``, ``xavier_*`` and ``kaiming_*`` (also as partials) with plain
+    number arguments: the same float arithmetic as ``torch.nn.init`` on a block with these
+    fans, so the executor may make that call itself (merged with neighbours, or in bands, where
+    that draws the same numbers): the same draws, bit for bit, without the Python wrapper's
+    per-call cost (the engine tests compare every layout against torch's own functions on
+    separate tensors). ``None`` for anything else: then the function itself is called.
     """
     b = base(fn)
-    if not hashable_in(b, frozenset(_UNIFORM_DRAWS)):
+    if not hashable_in(b, frozenset(_DIRECT)):
         return None
     got = _bound_args(fn, args, kwargs)
     if got is None or got.get("generator") is not None:
         return None
-    if b is _init.uniform_:
-        lo, hi = got["a"], got["b"]
-        if type(lo) not in _PLAIN_NUMBER or type(hi) not in _PLAIN_NUMBER:
+    if b is _init.uniform_ or b is _init.normal_:
+        x, y = (got["a"], got["b"]) if b is _init.uniform_ else (got["mean"], got["std"])
+        if type(x) not in _PLAIN_NUMBER or type(y) not in _PLAIN_NUMBER:
             return None
-        return float(lo), float(hi)
+        return ("uniform" if b is _init.uniform_ else "normal"), float(x), float(y)
     if fan_in is None or fan_out is None or fan_in <= 0 or fan_out <= 0:
         return None
-    if b is _init.xavier_uniform_:
+    if b is _init.xavier_uniform_ or b is _init.xavier_normal_:
         gain = got["gain"]
         if type(gain) not in _PLAIN_NUMBER:
             return None
-        a = math.sqrt(3.0) * (gain * math.sqrt(2.0 / float(fan_in + fan_out)))
-        return -a, a
+        std = gain * math.sqrt(2.0 / float(fan_in + fan_out))
+        if b is _init.xavier_normal_:
+            return "normal", 0.0, std
+        a = math.sqrt(3.0) * std
+        return "uniform", -a, a
     slope, mode, nonlinearity = got["a"], got["mode"], got["nonlinearity"]
     if type(slope) not in _PLAIN_NUMBER or not isinstance(mode, str) or not isinstance(nonlinearity, str):
         return None
@@ -342,5 +357,27 @@ def uniform_bounds(
         gain = _init.calculate_gain(nonlinearity, slope)  # type: ignore[arg-type]  # checked to be a str above
     except ValueError:
         return None
-    bound = math.sqrt(3.0) * (gain / math.sqrt(fan))
-    return -bound, bound
+    std = gain / math.sqrt(fan)
+    if b is _init.kaiming_normal_:
+        return "normal", 0.0, std
+    bound = math.sqrt(3.0) * std
+    return "uniform", -bound, bound
+
+
+def draw(t: Tensor, d: DirectDraw, generator: torch.Generator | None) -> None:
+    """Make the draw :func:`direct_draw` described, in place on ``t``."""
+    if d[0] == "uniform":
+        t.uniform_(d[1], d[2], generator=generator)
+    else:
+        t.normal_(d[1], d[2], generator=generator)
+
+
+def joins(d: DirectDraw, numel: int) -> bool:
+    """Whether a block of ``numel`` elements drawn with ``d`` may be followed by the next block in one call.
+
+    On CPU ``uniform_`` draws one number per element in order; ``normal_`` draws its uniforms
+    in order and transforms them in groups of 16, redrawing the last 16 when the size is not
+    a multiple of 16: one call over consecutive blocks equals one call per block exactly
+    when every block but the last has a multiple of 16 elements.
+    """
+    return d[0] == "uniform" or numel % 16 == 0
