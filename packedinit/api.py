@@ -90,7 +90,7 @@ def chunked_init(
     """
     if chunks is None and dim is None and isinstance(tensor, nn.Parameter):
         chunks = param_layout(tensor)  # annotated by packedinit.annotate: per block
-    if chunks is None and dim is None and type(tensor) in PLAIN_TYPES and lean_ok(init_fn, init_kwargs):
+    if chunks is None and dim is None and type(tensor) in PLAIN_TYPES and lean_ok(init_fn, init_kwargs, tensor):
         lean_call(tensor, init_fn, args, init_kwargs)  # type: ignore[arg-type]  # lean_ok: a torch.nn.init function
     else:
         run(Request(tensor, chunks, dim, init_fn, args, init_kwargs))

@@ -447,10 +447,12 @@ def lean_flags(fn: object) -> tuple[bool, bool] | None:
     return flags
 
 
-def lean_ok(fn: object, kwargs: Mapping[str, Any]) -> bool:
-    """Whether ``fn(tensor, **kwargs)`` on a whole unpacked tensor may be the plain call (and not empty-skipped)."""
+def lean_ok(fn: object, kwargs: Mapping[str, Any], tensor: Tensor) -> bool:
+    """Whether ``fn(tensor, **kwargs)`` on a whole unpacked tensor may be exactly the plain call."""
     flags = lean_flags(fn)
-    return flags is not None and not flags[0] and (flags[1] or "generator" not in kwargs)
+    if flags is None or (flags[0] and tensor.numel() == 0):
+        return False
+    return flags[1] or "generator" not in kwargs
 
 
 def run_whole(req: Request, fn: Callable[..., Tensor]) -> bool:
