@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import sys
 import textwrap
@@ -46,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from .audit import AuditReport, Reference, audit, compact
+from .audit_report import json_safe
 from .cli_parse import (
     Target,
     UsageError,
@@ -92,22 +92,6 @@ def affected(report: AuditReport) -> bool:
         False
     """
     return bool(report.affected)
-
-
-def json_safe(value: Any) -> Any:
-    """``value`` with every NaN or infinite float replaced by ``None``, so ``json.dumps(..., allow_nan=False)`` works.
-
-    Examples:
-        >>> json_safe({"std": float("nan"), "blocks": [1.0, float("inf"), (2, float("-inf"))]})
-        {'std': None, 'blocks': [1.0, None, [2, None]]}
-    """
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 def _write_json(out: TextIO, doc: Any) -> None:
