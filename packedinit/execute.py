@@ -168,6 +168,9 @@ def _copy_transposed(dst: Tensor, logical: Tensor, scratch: Scratch) -> None:
     contiguous), then row by row into ``dst``. About three times faster on CPU than one
     strided copy, tiled or not (measured at E = 1024: 1.0 ms against 3.2 ms per block).
     """
+    if dst.is_contiguous() and dst.dtype == logical.dtype:  # one pass: ATen's blocked transpose straight in
+        dst.copy_(logical.t())
+        return
     rows, cols = logical.shape
     tmp = scratch.flat(rows * cols, logical.dtype, logical.device, slot=1)[: rows * cols].view(cols, rows)
     tmp.copy_(logical.t())
@@ -321,15 +324,18 @@ class LocalSink:
             # storage (in, groups, size) with one of groups/size 1: logical row r is column r
             columns = self.tiled and len(block.shape) == 2 and (layout.groups == 1 or sshape[2] == 1)
             d = plan.direct[block.index]
-            if columns and self.cpu and d is not None and same:
+            target = (dst[:, 0, :] if layout.groups == 1 else dst[:, :, 0]) if columns else dst
+            if columns and self.cpu and d is not None and same and not target.is_contiguous():
+                # a column slab: draw in bands that stay in cache (a whole contiguous target takes one
+                # transposing copy below, which is cheaper)
                 self.direct = True
-                if _draw_banded(dst[:, 0, :] if layout.groups == 1 else dst[:, :, 0], block, d, plan, scratch):
+                if _draw_banded(target, block, d, plan, scratch):
                     return
                 self.direct = False
             buf = scratch.flat(block.numel, cdt, tensor.device).as_strided(block.shape, g.contiguous)
             res = plan.call(fn, buf)
             if columns and res.dim() == 2:
-                _copy_transposed(dst[:, 0, :] if layout.groups == 1 else dst[:, :, 0], res, scratch)
+                _copy_transposed(target, res, scratch)
             elif res is buf:
                 dst.copy_(res.as_strided(*g.from_logical))
             else:

@@ -80,3 +80,13 @@ def test_stacked_experts_and_interleaved_transposed(fn: Callable[..., Tensor]) -
         ref[k, :, 0::2] = want[2 * k].t()
         ref[k, :, 1::2] = want[2 * k + 1].t()
     assert torch.equal(bits(w), bits(ref))
+
+
+@pytest.mark.parametrize("fn", FNS, ids=IDS)
+@pytest.mark.parametrize(("inp", "out"), [(5, 3), (64, 96), (130, 33)])
+def test_single_transposed_block_one_copy(fn: Callable[..., Tensor], inp: int, out: int) -> None:
+    (want,) = separate([(out, inp)], fn, torch.float32)
+    w = torch.empty(inp, out)  # GPT-2 Conv1D c_fc / c_proj: one block, stored (in, out)
+    torch.manual_seed(7)
+    chunked_init(w, Layout(1, [out], transposed=True), None, fn)
+    assert torch.equal(bits(w), bits(want.t()))
