@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from .errors import PackedInitError
 from .execute import LocalSink, Scratch, execute, fill_block
 from .layout import LogicalBlock, fmt_shape
-from .plan import Plan, Request, check_tensor, make_plan
+from .plan import Plan, Request, Where, check_tensor, make_plan
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -128,8 +128,7 @@ def _check_local(tensor: DTensor, local: Tensor, ranges: Sequence[range] | None,
 
 
 def _where(param: str | None, shape: Sequence[int]) -> str:
-    who = f"parameter {param!r}" if param else "tensor"
-    return f"{who} of shape {fmt_shape(shape)}"
+    return str(Where(param, shape))
 
 
 def _local_ranges(tensor: DTensor, where: str) -> list[range] | None:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .layout import Layout, LogicalBlock, fmt_shape
-from .plan import INFERENCE_FIX, Plan, Request, check_tensor, rejected
+from .plan import INFERENCE_FIX, Plan, Request, Where, check_tensor, rejected
 from .traits import (
     GENERATOR_OK,
     LEAN,
@@ -40,7 +40,6 @@ from .traits import (
     fn_name,
     hashable_in,
     joins,
-    who,
 )
 
 __all__ = [
@@ -437,7 +436,7 @@ def _lean_failed(req: Request, fn: Callable[..., Tensor], e: Exception) -> bool:
         if hasattr(e, "add_note"):  # Python >= 3.11
             e.add_note(f"packedinit: {INFERENCE_FIX}")
         return False
-    where = f"{who(req.param)} of shape {fmt_shape(tensor.shape)}"
+    where = str(Where(req.param, tensor.shape))
     gen = req.kwargs.get("generator")
     check_tensor(tensor, gen if isinstance(gen, torch.Generator) else None, where)
     check_fn_dtype(tensor.dtype, fn, where)
@@ -474,7 +473,7 @@ def run_whole(req: Request, fn: Callable[..., Tensor]) -> bool:
         if not _lean_safe(tensor, fn):
             return False
         if req.args or kwargs:  # torch checks some arguments only after it has drawn or written
-            check_values(fn, req.args, kwargs, _Whole(req))
+            check_values(fn, req.args, kwargs, Where(req.param, tensor.shape))
     lean = lean_flags(fn)
     if lean is not None and (lean[1] or not kwargs or "generator" not in kwargs):
         if lean[0] and tensor.numel() == 0:
@@ -507,24 +506,9 @@ def run_whole(req: Request, fn: Callable[..., Tensor]) -> bool:
                     )
                 tensor.copy_(out)
     except REJECTIONS as e:
-        where = f"{who(req.param)} of shape {fmt_shape(tensor.shape)}"
+        where = str(Where(req.param, tensor.shape))
         raise rejected(where, None, fn, e, wrote_nothing=False) from e
     return True
-
-
-class _Whole:
-    """``"parameter 'w' of shape (...)"``, formatted only when a message needs it."""
-
-    __slots__ = ("req",)
-
-    def __init__(self, req: Request) -> None:
-        self.req = req
-
-    def __str__(self) -> str:
-        return f"{who(self.req.param)} of shape {fmt_shape(self.req.tensor.shape)}"
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self), spec)
 
 
 _SAFE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)

@@ -47,6 +47,8 @@ __all__ = [
     "make_plan",
     "cacheable",
     "typed",
+    "request_key",
+    "Where",
     "check_tensor",
     "rejected",
     "INFERENCE_FIX",
@@ -76,16 +78,17 @@ class Request:
     param: str | None = None
 
 
-class _Context:
-    """``"parameter 'w' of shape (...) with Layout(...)"``, built only when an error message needs it."""
+class Where:
+    """``"parameter 'w' of shape (...)[ with Layout(...)]"``, built only when an error message needs it."""
 
     __slots__ = ("layout", "param", "shape")
 
-    def __init__(self, param: str | None, shape: Sequence[int], layout: Layout) -> None:
+    def __init__(self, param: str | None, shape: Sequence[int], layout: Layout | None = None) -> None:
         self.param, self.shape, self.layout = param, shape, layout
 
     def __str__(self) -> str:
-        return f"{who(self.param)} of shape {fmt_shape(self.shape)} with {self.layout!r}"
+        tail = f" with {self.layout!r}" if self.layout is not None else ""
+        return f"{who(self.param)} of shape {fmt_shape(self.shape)}{tail}"
 
     def __format__(self, spec: str) -> str:
         return format(str(self), spec)
@@ -135,7 +138,7 @@ class Plan:
 
     def where(self) -> str:
         """``"parameter 'w' of shape (...) with Layout(...)"``, for messages."""
-        return f"{who(self.param)} of shape {fmt_shape(self.shape)} with {self.layout!r}"
+        return str(Where(self.param, self.shape, self.layout))
 
     def compute_dtype(self, fn: Callable[..., Tensor]) -> torch.dtype:
         """The dtype a block is computed in: float32 for orthogonal_ on fp16/bf16."""
@@ -291,7 +294,14 @@ def typed(x: object) -> object:
     return (type(x), x)
 
 
-def _cache_key(req: Request, layout: Layout | None, full: bool) -> tuple[object, ...] | None:
+def request_key(req: Request, head: tuple[object, ...]) -> tuple[object, ...] | None:
+    """``head`` plus everything the checks of ``req`` read, for a cache key; None when unhashable.
+
+    The tensor's shape, strides, dtype, device and inference state, the functions, the
+    arguments with their types (``1``, ``1.0`` and ``True`` hash alike but are checked
+    differently) and the name. The plan cache puts the resolved layout in ``head``; the
+    write-program cache of :mod:`packedinit.run` the raw ``chunks``/``dim``.
+    """
     spec = req.init_fn
     if callable(spec) and not isinstance(spec, Mapping):
         fns: object = spec
@@ -301,7 +311,7 @@ def _cache_key(req: Request, layout: Layout | None, full: bool) -> tuple[object,
         return None
     t = req.tensor
     key = (
-        layout,
+        *head,
         t.shape,
         t.stride() if t.layout == torch.strided else None,
         t.dtype,
@@ -312,11 +322,10 @@ def _cache_key(req: Request, layout: Layout | None, full: bool) -> tuple[object,
         typed(req.args),
         tuple((k, typed(v)) for k, v in req.kwargs.items()),
         req.param,
-        full,
     )
     try:
         hash(key)
-    except TypeError:  # unhashable arguments or functions: plan without the cache
+    except TypeError:  # unhashable arguments or functions: no cache
         return None
     return key
 
@@ -339,7 +348,7 @@ def make_plan(req: Request, *, full: bool = False) -> Plan | None:
         if req.init_fn is None:
             raise PackedInitError(f"no init_fn given for {who(req.param)} of shape {fmt_shape(shape)}.")
         return None
-    key = _cache_key(req, layout, full)
+    key = request_key(req, (layout, full))
     if key is not None:
         try:
             return _PLANS[key]
@@ -364,7 +373,7 @@ def _make_plan(req: Request, layout: Layout, full: bool) -> Plan:
     blocks = layout.blocks(shape, param=req.param)
     kwargs = dict(req.kwargs)
     generator = kwargs.pop("generator", None)
-    where: Any = _Context(req.param, shape, layout)  # formatted only when a message is
+    where: Any = Where(req.param, shape, layout)  # formatted only when a message is
     if generator is not None and not isinstance(generator, torch.Generator):
         raise PackedInitError(f"{where}: generator must be a torch.Generator, got {type(generator).__name__}.")
     fns = _resolve_fns(req.init_fn, layout, blocks, where)

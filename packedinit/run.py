@@ -9,7 +9,7 @@ from .chunks import Chunks, as_layout
 from .distributed import init_dtensor
 from .execute import PLAIN_TYPES, LocalSink, Scratch, execute, run_whole
 from .layout import Layout
-from .plan import Plan, Request, cacheable, make_plan, typed
+from .plan import Plan, Request, cacheable, make_plan, request_key, typed
 from .traits import DirectDraw, draw, is_dtensor
 
 __all__ = ["run", "is_whole"]
@@ -52,7 +52,7 @@ def run(req: Request, scratch: Scratch | None = None) -> None:
     if type(tensor) in PLAIN_TYPES:
         if callable(fn) and is_whole(req) and run_whole(req, fn):
             return
-        key = _key(req)
+        key = request_key(req, (typed(req.chunks), typed(req.dim)))
         prog = _PROGRAMS.get(key) if key is not None else None
         if prog is not None:
             _replay(prog, tensor, scratch)
@@ -69,30 +69,6 @@ def run(req: Request, scratch: Scratch | None = None) -> None:
             _PROGRAMS.clear()
         _PROGRAMS[key] = _compile(plan, sink)
     execute(plan, sink, scratch)
-
-
-def _key(req: Request) -> tuple[object, ...] | None:
-    """Everything the checks of ``req`` read (plan.make_plan's cache key), or None when unhashable."""
-    t, chunks = req.tensor, req.chunks
-    key = (
-        typed(chunks),
-        typed(req.dim),
-        tuple(req.init_fn) if type(req.init_fn) is list else req.init_fn,
-        t.shape,
-        t.stride(),
-        t.dtype,
-        t.device,
-        t.is_inference(),
-        torch.is_inference_mode_enabled(),
-        typed(req.args),
-        tuple((k, typed(v)) for k, v in req.kwargs.items()),
-        req.param,
-    )
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
 
 
 def _compile(plan: Plan, sink: LocalSink) -> _Runs | Plan:

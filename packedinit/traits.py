@@ -299,13 +299,15 @@ def convertible(e: BaseException, torch_fn: bool) -> bool:
     return torch_fn and type(e) in (RuntimeError, NotImplementedError)
 
 
-_DIRECT = (
-    _init.uniform_,
-    _init.xavier_uniform_,
-    _init.kaiming_uniform_,
-    _init.normal_,
-    _init.xavier_normal_,
-    _init.kaiming_normal_,
+_DIRECT: frozenset[Callable[..., Tensor]] = frozenset(
+    {
+        _init.uniform_,
+        _init.xavier_uniform_,
+        _init.kaiming_uniform_,
+        _init.normal_,
+        _init.xavier_normal_,
+        _init.kaiming_normal_,
+    }
 )
 _PLAIN_NUMBER = (int, float)
 #: A draw the executor may make itself: ("uniform", low, high) or ("normal", mean, std).
@@ -325,7 +327,7 @@ def direct_draw(
     separate tensors). ``None`` for anything else: then the function itself is called.
     """
     b = base(fn)
-    if not hashable_in(b, frozenset(_DIRECT)):
+    if not hashable_in(b, _DIRECT):
         return None
     got = _bound_args(fn, args, kwargs)
     if got is None or got.get("generator") is not None:
