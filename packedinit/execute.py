@@ -40,6 +40,7 @@ from .traits import (
     fn_name,
     hashable_in,
     joins,
+    normal_merges,
 )
 
 __all__ = [
@@ -181,15 +182,16 @@ def _draw_banded(dst: Tensor, block: LogicalBlock, d: DirectDraw, plan: Plan, sc
 
     ``dst`` is the ``(in, out)`` storage view whose column ``r`` is logical row ``r``. Bands
     drawn in row order hold exactly what one draw of the whole block would where
-    :func:`~packedinit.traits.joins` allows it: always for ``uniform_``; for ``normal_`` when
-    every band but the last is a multiple of 16 elements (the engine tests check it bit for bit).
+    :func:`~packedinit.traits.normal_merges` allows it: always for ``uniform_``; for ``normal_`` when
+    every band but the last is a multiple of 16 elements and the last has at least 16.
     """
     rows, cols = block.shape
     step = max(1, min(rows, _BAND // max(cols, 1)))
     if d[0] == "normal":
         while step < rows and (step * cols) % 16:
             step += 1
-        if step < rows and (step * cols) % 16:
+        last = rows % step or step
+        if step < rows and not normal_merges([step * cols] * (rows // step - (last == step)) + [last * cols]):
             return False
     band = scratch.flat(step * cols, dst.dtype, dst.device)
     for r in range(0, rows, step):
@@ -275,12 +277,20 @@ class LocalSink:
         out: list[tuple[LogicalBlock, ...]] = []
         run: list[LogicalBlock] = []
         end = -1
+        total, aligned = 0, True  # elements in `run`; whether each of its blocks is a multiple of 16
         for b in todo:
             g, d = geometry[b.index], direct[b.index]
             fits = d is not None and g.inplace  # direct draws are made in the tensor's dtype
             prev = run[-1] if run else None
             same_draw = d is not None and d == direct[prev.index] if prev is not None else False
-            if prev is not None and d is not None and fits and same_draw and g.view[1] == end and joins(d, prev.numel):
+            if (
+                prev is not None
+                and d is not None
+                and fits
+                and same_draw
+                and g.view[1] == end
+                and joins(d, total, aligned, b.numel)
+            ):
                 run.append(b)
             else:
                 if run:
@@ -288,6 +298,8 @@ class LocalSink:
                 run = [b] if fits else []
                 if not fits:
                     out.append((b,))
+                total, aligned = 0, True
+            total, aligned = total + b.numel, aligned and b.numel % 16 == 0
             end = g.view[1] + b.numel if fits else -1
         if run:
             out.append(tuple(run))

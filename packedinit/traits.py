@@ -12,7 +12,7 @@ import functools
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ __all__ = [
     "DirectDraw",
     "draw",
     "joins",
+    "normal_merges",
 ]
 
 _init = torch.nn.init
@@ -374,12 +375,37 @@ def draw(t: Tensor, d: DirectDraw, generator: torch.Generator | None) -> None:
         t.normal_(d[1], d[2], generator=generator)
 
 
-def joins(d: DirectDraw, numel: int) -> bool:
-    """Whether a block of ``numel`` elements drawn with ``d`` may be followed by the next block in one call.
+def joins(d: DirectDraw, total: int, aligned: bool, numel: int) -> bool:
+    """Whether a block of ``numel`` elements may join a run already drawn with ``d`` in one call.
 
-    On CPU ``uniform_`` draws one number per element in order; ``normal_`` draws its uniforms
-    in order and transforms them in groups of 16, redrawing the last 16 when the size is not
-    a multiple of 16: one call over consecutive blocks equals one call per block exactly
-    when every block but the last has a multiple of 16 elements.
+    ``total``: the elements already in the run; ``aligned``: every block in it has a multiple
+    of 16 elements. One call then draws exactly what one call per block draws (see
+    :func:`normal_merges` for ``normal_``; ``uniform_`` draws one number per element in memory
+    order, so it always does).
     """
-    return d[0] == "uniform" or numel % 16 == 0
+    if d[0] == "uniform" or total + numel < 16:
+        return True
+    return aligned and numel >= 16
+
+
+def normal_merges(sizes: Sequence[int]) -> bool:
+    """Whether one CPU ``normal_`` call over consecutive blocks of ``sizes`` elements draws what one call per block draws.
+
+    torch's CPU kernel (``normal_kernel`` in ATen's ``native/cpu/DistributionTemplates.h``)
+    takes one of two paths. A contiguous tensor of at least 16 elements is filled with
+    uniforms in order and transformed in groups of 16 (Box-Muller on the two halves of each
+    group); when its size is not a multiple of 16 the last 16 are drawn again and transformed.
+    A tensor of fewer than 16 elements takes the scalar path: one Box-Muller sample per
+    element, in order, the spare sample kept in the generator. So one call equals the separate
+    calls exactly when all blocks together have fewer than 16 elements (every call is scalar),
+    or every block but the last is a multiple of 16 and the last has at least 16 elements
+    (tests/test_normal_rule.py checks every split of 1..64 elements, bit for bit, and that the
+    rule is exact).
+
+    Examples:
+        >>> normal_merges([16, 4, 4]), normal_merges([16, 16, 20]), normal_merges([3, 4])
+        (False, True, True)
+    """
+    if sum(sizes) < 16:
+        return True
+    return sizes[-1] >= 16 and all(s % 16 == 0 for s in sizes[:-1])
