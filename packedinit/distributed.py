@@ -198,13 +198,12 @@ class ShardSink:
     nothing but still advances the RNG.
     """
 
-    __slots__ = ("device", "direct", "local", "ranges")
+    __slots__ = ("device", "local", "ranges")
 
     def __init__(self, local: Tensor, ranges: Sequence[range] | None) -> None:
         self.local = local
         self.ranges = ranges
         self.device = local.device
-        self.direct = False
 
     def backup(self) -> Tensor:
         return self.local.detach().clone()
@@ -217,6 +216,9 @@ class ShardSink:
 
     def write_run(self, plan: Plan, run: tuple[LogicalBlock, ...]) -> None:
         raise AssertionError("ShardSink.runs makes runs of one block only")
+
+    def touches(self, plan: Plan, block: LogicalBlock, fn: Callable[..., Tensor]) -> bool:
+        return False  # every block is generated in a scratch buffer, then its local part copied
 
     def write(self, plan: Plan, block: LogicalBlock, fn: Callable[..., Tensor], scratch: Scratch) -> None:
         target = None if self.ranges is None else _block_target(plan, block, self.local, self.ranges)

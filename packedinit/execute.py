@@ -85,17 +85,23 @@ class Scratch:
 
 
 class RngState:
-    """The random state a failed, undone init restores: CPU, the tensor's CUDA device, the generator."""
+    """The random state a failed, undone init restores: the generator, else the CPU (and CUDA device) RNG.
+
+    With a generator the global RNGs are not the call's to restore (other threads may be
+    drawing from them): only the generator is put back.
+    """
 
     def __init__(self, device: torch.device, generator: torch.Generator | None) -> None:
-        self.cpu = torch.get_rng_state()
-        self.device = device if device.type == "cuda" else None
+        own = generator is None
+        self.cpu = torch.get_rng_state() if own else None
+        self.device = device if device.type == "cuda" and own else None
         self.cuda = torch.cuda.get_rng_state(device) if self.device is not None else None
         self.generator = generator
         self.gen = generator.get_state() if generator is not None else None
 
     def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
+        if self.cpu is not None:
+            torch.set_rng_state(self.cpu)
         if self.device is not None and self.cuda is not None:
             torch.cuda.set_rng_state(self.cuda, self.device)
         if self.generator is not None and self.gen is not None:
@@ -119,11 +125,12 @@ class Sink(Protocol):
 
     #: The device blocks are generated on (for the RNG state a rollback restores).
     device: torch.device
-    #: Set by :meth:`write` before it calls the init function: whether that call writes the target's memory.
-    direct: bool
 
     def write(self, plan: Plan, block: LogicalBlock, fn: Callable[..., Tensor], scratch: Scratch) -> None:
         """Generate ``block`` with ``fn`` and put (its part of) it in place."""
+
+    def touches(self, plan: Plan, block: LogicalBlock, fn: Callable[..., Tensor]) -> bool:
+        """Whether :meth:`write` hands ``fn`` the target's own memory (so a failing ``fn`` may have written it)."""
 
     def runs(self, plan: Plan, todo: list[LogicalBlock]) -> list[tuple[LogicalBlock, ...]]:
         """``todo`` in order, cut into runs that one write fills (a run of one block: :meth:`write`)."""
@@ -242,7 +249,7 @@ def _geometry(layout: Layout, shape: tuple[int, ...], stride: tuple[int, ...]) -
 class LocalSink:
     """A plain (non-meta) local tensor: blocks land in place or through the scratch buffer."""
 
-    __slots__ = ("cpu", "device", "direct", "geometry", "layout", "ndim", "offset", "tensor", "tiled")
+    __slots__ = ("cpu", "device", "geometry", "layout", "ndim", "offset", "tensor", "tiled")
 
     def __init__(self, tensor: Tensor, layout: Layout) -> None:
         self.tensor = tensor
@@ -254,7 +261,6 @@ class LocalSink:
         plain = type(tensor) in PLAIN_TYPES
         self.geometry = _geometry(layout, tuple(tensor.shape), tuple(tensor.stride())) if plain else None
         self.offset = tensor.storage_offset()
-        self.direct = False
 
     def backup(self) -> Tensor:
         return self.tensor.detach().clone()
@@ -311,20 +317,30 @@ class LocalSink:
         assert d is not None  # runs() merges only blocks with a direct draw
         start = self.geometry[run[0].index].view[1]
         n = sum(b.numel for b in run)
-        self.direct = True
         draw(self.tensor.as_strided((n,), (1,), self.offset + start), d, plan.generator)
+
+    def _in_place(self, block: LogicalBlock, fn: Callable[..., Tensor]) -> bool:
+        """Whether ``fn`` fills the block's own memory (a view of logical shape), not a scratch buffer."""
+        if compute_dtype(fn, self.tensor.dtype) != self.tensor.dtype:
+            return False
+        g = self.geometry[block.index] if self.geometry is not None else None
+        if g is not None:
+            return g.inplace or (g.ordered and self.cpu and hashable_in(base(fn), UNIFORM_FNS))
+        view = self.layout.logical_view(self.tensor, block)
+        return view is not None and view.is_contiguous()
+
+    def touches(self, plan: Plan, block: LogicalBlock, fn: Callable[..., Tensor]) -> bool:
+        return self._in_place(block, fn)
 
     def write(self, plan: Plan, block: LogicalBlock, fn: Callable[..., Tensor], scratch: Scratch) -> None:
         tensor, layout = self.tensor, self.layout
         cdt = compute_dtype(fn, tensor.dtype)
         same = cdt == tensor.dtype
-        self.direct = False
         g = self.geometry[block.index] if self.geometry is not None else None
         if g is not None:
             if same and (g.inplace or (g.ordered and self.cpu and hashable_in(base(fn), UNIFORM_FNS))):
                 lv = tensor.as_strided(block.shape, g.view[0], self.offset + g.view[1])
                 d = plan.direct[block.index]
-                self.direct = True
                 if d is not None:  # exactly the call the torch.nn.init function would make
                     draw(lv, d, plan.generator)
                 else:
@@ -336,13 +352,11 @@ class LocalSink:
             columns = self.tiled and len(block.shape) == 2 and (layout.groups == 1 or sshape[2] == 1)
             d = plan.direct[block.index]
             target = (dst[:, 0, :] if layout.groups == 1 else dst[:, :, 0]) if columns else dst
-            if columns and self.cpu and d is not None and same and not target.is_contiguous():
-                # a column slab: draw in bands that stay in cache (a whole contiguous target takes one
-                # transposing copy below, which is cheaper)
-                self.direct = True
-                if _draw_banded(target, block, d, plan, scratch):
-                    return
-                self.direct = False
+            # a column slab: draw in bands that stay in cache (a whole contiguous target takes one
+            # transposing copy below, which is cheaper)
+            banded = columns and self.cpu and d is not None and same and not target.is_contiguous()
+            if banded and d is not None and _draw_banded(target, block, d, plan, scratch):
+                return
             buf = scratch.flat(block.numel, cdt, tensor.device).as_strided(block.shape, g.contiguous)
             res = plan.call(fn, buf)
             if columns and res.dim() == 2:
@@ -361,7 +375,6 @@ class LocalSink:
         layout.storage_view(tensor, block).copy_(layout.to_storage(res, block, self.ndim))
 
     def _fill_view(self, plan: Plan, fn: Callable[..., Tensor], lv: Tensor) -> None:
-        self.direct = True
         res = plan.call(fn, lv)
         if res is not lv:
             lv.copy_(res)
@@ -399,7 +412,7 @@ def execute(plan: Plan, sink: Sink, scratch: Scratch | None = None) -> None:
                     rng.restore()
                 torch_fn = hashable_in(base(fn), TORCH_FNS)
                 if (restored or not written) and convertible(e, torch_fn):
-                    nothing = restored or not sink.direct or torch_fn
+                    nothing = restored or torch_fn or not sink.touches(plan, block, fn)
                     raise rejected(plan.where(), block, fn, e, wrote_nothing=nothing) from e
                 if hasattr(e, "add_note"):
                     if restored:

@@ -10,10 +10,10 @@ strides, dtype, device, layout, functions and arguments) reuses it and no check 
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any, TypeAlias
 
 import torch
@@ -21,7 +21,9 @@ from torch import Tensor
 
 from .chunks import Chunks, as_layout
 from .errors import PackedInitError, packed_error
+from .keys import UncacheableError, request_key, value_key
 from .layout import Layout, LogicalBlock, fmt_shape, is_int
+from .rng import global_restored
 from .traits import (
     DETERMINISTIC_FNS,
     REJECTIONS,
@@ -46,8 +48,6 @@ __all__ = [
     "Plan",
     "make_plan",
     "cacheable",
-    "typed",
-    "request_key",
     "Where",
     "check_tensor",
     "rejected",
@@ -69,7 +69,7 @@ class Request:
     ``param`` the tensor's name for messages.
     """
 
-    tensor: Tensor
+    tensor: Tensor = field(metadata={"key": "facts"})  # cache keys hold its facts, never the tensor
     chunks: Chunks | None = None
     dim: int | None = None
     init_fn: InitSpec | None = None
@@ -104,6 +104,10 @@ class Plan:
     ``verified`` is False when some init function could not be tried on meta
     tensors (it reads values, or does not support meta); the executor then keeps
     a copy of the tensor so that a failing block can be undone.
+
+    A Plan is a pure value: nothing in it changes after it is made. The plan cache keeps
+    plans without a generator; :meth:`bind` gives a cached plan the caller's generator
+    for one call, so no cache keeps a caller's generator alive.
     """
 
     layout: Layout
@@ -116,13 +120,19 @@ class Plan:
     dtype: torch.dtype
     param: str | None
     verified: bool = True
-    prepared: dict[int, tuple[Callable[..., Tensor], dict[str, Any]]] = field(
-        default_factory=dict, repr=False, compare=False
-    )
+    #: Per block, the one ``uniform_``/``normal_`` call its function makes, where known exactly (else None);
+    #: computed when the plan is made (a generator does not change it: see :func:`~packedinit.traits.draw`).
+    direct: tuple[DirectDraw | None, ...] = field(default=(), repr=False, compare=False)
 
-    @functools.cached_property
-    def direct(self) -> tuple[DirectDraw | None, ...]:
-        """Per block, the one ``uniform_``/``normal_`` call its function makes, where known exactly (else None)."""
+    def __post_init__(self) -> None:
+        if not self.direct and self.blocks:
+            object.__setattr__(self, "direct", self._direct())
+
+    def bind(self, generator: torch.Generator | None) -> Plan:
+        """This plan for a call with ``generator`` (itself when it already has it)."""
+        return self if generator is self.generator else replace(self, generator=generator)
+
+    def _direct(self) -> tuple[DirectDraw | None, ...]:
         out: list[DirectDraw | None] = []
         known: dict[tuple[int, int | None, int | None], DirectDraw | None] = {}
         for b in self.blocks:
@@ -152,16 +162,11 @@ class Plan:
         """Whether ``fn`` may draw random numbers (so it must run even where its values are not kept)."""
         return not hashable_in(base(fn), DETERMINISTIC_FNS)
 
-    def _prepare(self, fn: Callable[..., Tensor]) -> tuple[Callable[..., Tensor], dict[str, Any]]:
-        got = self.prepared.get(id(fn))
-        if got is None:
-            run = substitute(fn)
-            kwargs = dict(self.kwargs)
-            if self.generator is not None and accepts_generator(run) is not False:
-                kwargs["generator"] = self.generator
-            got = (run, kwargs)
-            self.prepared[id(fn)] = got
-        return got
+    def _prepare(self, fn: Callable[..., Tensor]) -> tuple[Callable[..., Tensor], Mapping[str, Any]]:
+        run = substitute(fn)
+        if self.generator is not None and accepts_generator(run) is not False:
+            return run, {**self.kwargs, "generator": self.generator}
+        return run, self.kwargs
 
     def call(self, fn: Callable[..., Tensor], block_tensor: Tensor) -> Tensor:
         """Run ``fn`` on a tensor of a block's logical shape; return what holds the values.
@@ -286,50 +291,6 @@ _PLANS: dict[tuple[object, ...], Plan | None] = {}
 _PLANS_MAX = 4096
 
 
-def typed(x: object) -> object:
-    """``x`` with its type (element types too, for tuples/lists), for cache keys: ``1``, ``1.0`` and ``True``
-    hash alike but are checked differently (a bool gain is refused, a float dim is refused)."""
-    if type(x) in (tuple, list):
-        return (type(x), tuple(typed(e) for e in x))  # type: ignore[attr-defined]  # a tuple or list
-    return (type(x), x)
-
-
-def request_key(req: Request, head: tuple[object, ...]) -> tuple[object, ...] | None:
-    """``head`` plus everything the checks of ``req`` read, for a cache key; None when unhashable.
-
-    The tensor's shape, strides, dtype, device and inference state, the functions, the
-    arguments with their types (``1``, ``1.0`` and ``True`` hash alike but are checked
-    differently) and the name. The plan cache puts the resolved layout in ``head``; the
-    write-program cache of :mod:`packedinit.run` the raw ``chunks``/``dim``.
-    """
-    spec = req.init_fn
-    if callable(spec) and not isinstance(spec, Mapping):
-        fns: object = spec
-    elif isinstance(spec, (list, tuple)):
-        fns = tuple(spec)
-    else:
-        return None
-    t = req.tensor
-    key = (
-        *head,
-        t.shape,
-        t.stride() if t.layout == torch.strided else None,
-        t.dtype,
-        t.device,
-        t.is_inference(),
-        torch.is_inference_mode_enabled(),
-        fns,
-        typed(req.args),
-        tuple((k, typed(v)) for k, v in req.kwargs.items()),
-        req.param,
-    )
-    try:
-        hash(key)
-    except TypeError:  # unhashable arguments or functions: no cache
-        return None
-    return key
-
-
 def make_plan(req: Request, *, full: bool = False) -> Plan | None:
     """Validate everything and build a :class:`Plan`; ``None`` when nothing is to be written.
 
@@ -348,23 +309,34 @@ def make_plan(req: Request, *, full: bool = False) -> Plan | None:
         if req.init_fn is None:
             raise PackedInitError(f"no init_fn given for {who(req.param)} of shape {fmt_shape(shape)}.")
         return None
-    key = request_key(req, (layout, full))
+    key = request_key(req, full)
     if key is not None:
         try:
-            return _PLANS[key]
+            cached = _PLANS[key]
         except KeyError:
             pass
+        else:
+            return cached.bind(_generator(req)) if cached is not None else None
     plan = _make_plan(req, layout, full)
     if key is not None and cacheable(plan):
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()  # simple and safe under threads; refilled by the next calls
-        _PLANS[key] = plan
+        _PLANS[key] = plan.bind(None)  # the cache keeps no generator alive
     return plan
 
 
+def _generator(req: Request) -> torch.Generator | None:
+    gen = req.kwargs.get("generator")
+    return gen if isinstance(gen, torch.Generator) else None
+
+
 def cacheable(plan: Plan) -> bool:
-    """Whether ``plan`` may be reused for an equal request: verified, and only torch.nn.init functions."""
-    return plan.verified and all(f is None or hashable_in(base(f), TORCH_FNS) for f in plan.fns)
+    """Whether ``plan`` may be reused for an equal request: verified, and only torch.nn.init functions.
+
+    Only torch's own functions themselves: a plan holding a caller's ``functools.partial``
+    would keep it alive in the cache.
+    """
+    return plan.verified and all(f is None or hashable_in(f, TORCH_FNS) for f in plan.fns)
 
 
 def _make_plan(req: Request, layout: Layout, full: bool) -> Plan:
@@ -382,9 +354,10 @@ def _make_plan(req: Request, layout: Layout, full: bool) -> Plan:
     for fn in {id(fn): fn for fn in fns if fn is not None}.values():
         _check_fn(tensor, fn, generator, where)
         check_values(fn, args, kwargs, where)
-    plan = Plan(layout, blocks, fns, args, kwargs, generator, shape, tensor.dtype, req.param)
+    frozen = MappingProxyType(kwargs)
+    plan = Plan(layout, blocks, fns, args, frozen, generator, shape, tensor.dtype, req.param)
     if (full or tensor.is_meta or len(plan.todo()) > 1) and not _dry_run(plan):
-        plan = Plan(layout, blocks, fns, args, kwargs, generator, shape, tensor.dtype, req.param, False)
+        plan = replace(plan, verified=False)
     return plan
 
 
@@ -397,33 +370,40 @@ class _MetaRejectedError(Exception):
         self.error = error
 
 
-@functools.lru_cache(maxsize=2048)
-def _torch_meta_checked(
-    layout: Layout,
-    shape: torch.Size,
-    dtype: torch.dtype,
-    fns: tuple[Callable[..., Tensor] | None, ...],
-    args: tuple[Any, ...],
-    kw_items: tuple[tuple[str, Any], ...],
-) -> bool:
-    """Run each distinct (torch.nn.init fn, block shape) of a plan on meta; cached on success.
+#: Value keys (see :mod:`packedinit.keys`) of (layout, shape, dtype, functions, arguments) whose
+#: torch.nn.init dry run passed. Bounded; cleared when full. Holds no caller object.
+_META_OK: set[object] = set()
+_META_MAX = 2048
 
-    Raises _MetaRejectedError (not cached) for the first block a function rejects.
+
+def _torch_meta_check(plan: Plan) -> None:
+    """Run each distinct (torch.nn.init fn, block shape) of a plan on meta; remembered on success.
+
+    Raises _MetaRejectedError for the first block a function rejects.
     """
-    kwargs = dict(kw_items)
+    try:
+        key: object = value_key((plan.layout, tuple(plan.shape), plan.dtype, plan.fns, plan.args, dict(plan.kwargs)))
+    except UncacheableError:  # e.g. a tensor argument: check without remembering
+        key = None
+    if key is not None and key in _META_OK:
+        return
     seen: set[tuple[Callable[..., Tensor], torch.Size]] = set()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for block in layout.blocks(shape):
-            fn = fns[block.index]
+        for block in plan.blocks:
+            fn = plan.fns[block.index]
             if fn is None or block.numel == 0 or (fn, block.shape) in seen:
                 continue
             seen.add((fn, block.shape))
+            meta = torch.empty(block.shape, dtype=compute_dtype(fn, plan.dtype), device="meta")
             try:
-                substitute(fn)(torch.empty(block.shape, dtype=compute_dtype(fn, dtype), device="meta"), *args, **kwargs)
+                substitute(fn)(meta, *plan.args, **plan.kwargs)
             except Exception as e:  # torch.nn.init functions all run on meta: any error is a rejection
                 raise _MetaRejectedError(block.index, e) from e
-    return True
+    if key is not None:
+        if len(_META_OK) >= _META_MAX:
+            _META_OK.clear()
+        _META_OK.add(key)
 
 
 def _dry_run(plan: Plan) -> bool:
@@ -432,53 +412,50 @@ def _dry_run(plan: Plan) -> bool:
     Costs no memory and draws nothing. When every function is a torch.nn.init function
     (or a partial of one) the check runs without the generator and is cached per
     (layout, shape, dtype, functions, arguments). Other functions run each time, with the
-    global RNG and the caller's generator restored afterwards and warnings hidden.
+    caller's generator restored afterwards (without one: the global RNG, if they drew from it;
+    see :func:`packedinit.rng.global_restored`) and warnings hidden.
     Returns False when some function could not run on meta (then nothing is known
     about it until the real run).
     """
     distinct = {id(fn): fn for fn in plan.fns if fn is not None}
     if all(hashable_in(base(fn), TORCH_FNS) for fn in distinct.values()):
-        parts = (plan.layout, plan.shape, plan.dtype, plan.fns, plan.args, tuple(sorted(plan.kwargs.items())))
         try:
-            hash(parts)
-            cached = True
-        except TypeError:  # unhashable arguments: check without the cache
-            cached = False
-        try:
-            if cached:
-                _torch_meta_checked(*parts)
-            else:
-                _torch_meta_checked.__wrapped__(*parts)
+            _torch_meta_check(plan)
         except _MetaRejectedError as r:
             fn = plan.fns[r.index]
             assert fn is not None  # a rejected block has a function
             raise rejected(plan.where(), plan.blocks[r.index], fn, r.error, wrote_nothing=True) from r.error
         return True
+    if plan.generator is None:
+        with global_restored():
+            return _dry_run_calls(plan)
+    saved = plan.generator.get_state()
+    try:
+        return _dry_run_calls(plan)
+    finally:
+        plan.generator.set_state(saved)
+
+
+def _dry_run_calls(plan: Plan) -> bool:
     verified = True
     seen: set[tuple[int, torch.Size]] = set()
-    saved = (torch.get_rng_state(), plan.generator.get_state() if plan.generator else None)
-    try:
-        for block in plan.blocks:
-            fn = plan.fns[block.index]
-            if fn is None or block.numel == 0 or (id(fn), block.shape) in seen:
-                continue
-            seen.add((id(fn), block.shape))
-            is_torch = hashable_in(base(fn), TORCH_FNS)
-            try:
-                meta = torch.empty(block.shape, dtype=plan.compute_dtype(fn), device="meta")
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    plan.call(fn, meta)
-            except REJECTIONS as e:
+    for block in plan.blocks:
+        fn = plan.fns[block.index]
+        if fn is None or block.numel == 0 or (id(fn), block.shape) in seen:
+            continue
+        seen.add((id(fn), block.shape))
+        is_torch = hashable_in(base(fn), TORCH_FNS)
+        try:
+            meta = torch.empty(block.shape, dtype=plan.compute_dtype(fn), device="meta")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                plan.call(fn, meta)
+        except REJECTIONS as e:
+            raise rejected(plan.where(), block, fn, e, wrote_nothing=True) from e
+        except Exception as e:
+            if is_torch:  # torch.nn.init functions all run on meta: this is a real rejection
                 raise rejected(plan.where(), block, fn, e, wrote_nothing=True) from e
-            except Exception as e:
-                if is_torch:  # torch.nn.init functions all run on meta: this is a real rejection
-                    raise rejected(plan.where(), block, fn, e, wrote_nothing=True) from e
-                verified = False  # e.g. it reads values; the real run is guarded by a backup
-    finally:
-        torch.set_rng_state(saved[0])
-        if plan.generator is not None and saved[1] is not None:
-            plan.generator.set_state(saved[1])
+            verified = False  # e.g. it reads values; the real run is guarded by a backup
     return verified
 
 

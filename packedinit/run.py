@@ -8,16 +8,18 @@ from torch import Tensor
 from .chunks import Chunks, as_layout
 from .distributed import init_dtensor
 from .execute import PLAIN_TYPES, LocalSink, Scratch, execute, run_whole
+from .keys import request_key
 from .layout import Layout
-from .plan import Plan, Request, cacheable, make_plan, request_key, typed
+from .plan import Plan, Request, cacheable, make_plan
 from .traits import DirectDraw, draw, is_dtensor
 
 __all__ = ["run", "is_whole"]
 
-#: Per request key (everything the checks read, see plan.make_plan), what writing such a tensor takes:
-#: the merged ``uniform_`` runs (storage offset, length, low, high, generator) when every block is one,
-#: else the plan. Bounded; cleared when full.
-_Runs = tuple[tuple[int, int, DirectDraw, "torch.Generator | None"], ...]
+#: Per request key (:func:`packedinit.keys.request_key`: every field of the request, holding no caller
+#: object), what writing such a tensor takes: the merged direct draws (storage offset, length, draw)
+#: when every block is one, else the plan (without a generator: the call's own is bound). Bounded;
+#: cleared when full.
+_Runs = tuple[tuple[int, int, DirectDraw], ...]
 _PROGRAMS: dict[tuple[object, ...], _Runs | Plan] = {}
 _PROGRAMS_MAX = 4096
 
@@ -52,10 +54,10 @@ def run(req: Request, scratch: Scratch | None = None) -> None:
     if type(tensor) in PLAIN_TYPES:
         if callable(fn) and is_whole(req) and run_whole(req, fn):
             return
-        key = request_key(req, (typed(req.chunks), typed(req.dim)))
+        key = request_key(req)
         prog = _PROGRAMS.get(key) if key is not None else None
         if prog is not None:
-            _replay(prog, tensor, scratch)
+            _replay(prog, tensor, req.kwargs.get("generator"), scratch)
             return
     elif is_dtensor(tensor):
         init_dtensor(req, scratch)
@@ -75,26 +77,26 @@ def _compile(plan: Plan, sink: LocalSink) -> _Runs | Plan:
     """The merged uniform_ runs of a validated plan on this geometry, when every block is one; else the plan."""
     todo = plan.todo()
     if sink.geometry is None or not todo:
-        return plan
-    out: list[tuple[int, int, DirectDraw, torch.Generator | None]] = []
+        return plan.bind(None)
+    out: list[tuple[int, int, DirectDraw]] = []
     for run_ in sink.runs(plan, todo):
         d = plan.direct[run_[0].index]
         g = sink.geometry[run_[0].index]
         if d is None or not g.inplace:  # direct draws are made in the tensor's dtype
-            return plan
-        out.append((g.view[1], sum(b.numel for b in run_), d, plan.generator))
+            return plan.bind(None)
+        out.append((g.view[1], sum(b.numel for b in run_), d))
     return tuple(out)
 
 
-def _replay(prog: _Runs | Plan, tensor: Tensor, scratch: Scratch | None) -> None:
+def _replay(prog: _Runs | Plan, tensor: Tensor, gen: torch.Generator | None, scratch: Scratch | None) -> None:
     if isinstance(prog, Plan):
-        execute(prog, LocalSink(tensor, prog.layout), scratch)
+        execute(prog.bind(gen), LocalSink(tensor, prog.layout), scratch)
         return
     offset = tensor.storage_offset()
     grad = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)
     try:
-        for start, n, d, gen in prog:
+        for start, n, d in prog:
             draw(tensor.as_strided((n,), (1,), offset + start), d, gen)
     finally:
         torch._C._set_grad_enabled(grad)

@@ -8,10 +8,12 @@ replacement of ``sparse_``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
 import numbers
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -163,11 +165,18 @@ def substitute(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
 
 
 def accepts_generator(fn: Callable[..., Tensor]) -> bool | None:
-    """True/False from the signature; None when it cannot be read."""
+    """True/False from the signature; None when it cannot be read.
+
+    Remembered per function weakly (a caller's function and its closure are not kept alive).
+    """
     try:
-        return _accepts_generator_cached(fn)
-    except TypeError:  # unhashable callable
-        return _read_accepts_generator(fn)
+        return _ACCEPTS[fn]
+    except (KeyError, TypeError):  # not seen yet; or unhashable / not weak-referenceable
+        pass
+    got = _read_accepts_generator(fn)
+    with contextlib.suppress(TypeError):  # e.g. a builtin or an object without __weakref__: read each time
+        _ACCEPTS[fn] = got
+    return got
 
 
 def _read_accepts_generator(fn: Callable[..., Tensor]) -> bool | None:
@@ -178,7 +187,7 @@ def _read_accepts_generator(fn: Callable[..., Tensor]) -> bool | None:
     return any(p.name == "generator" or p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
 
 
-_accepts_generator_cached = functools.lru_cache(maxsize=512)(_read_accepts_generator)
+_ACCEPTS: weakref.WeakKeyDictionary[Callable[..., Tensor], bool | None] = weakref.WeakKeyDictionary()
 
 
 def fn_name(fn: object) -> str:
@@ -389,7 +398,7 @@ def joins(d: DirectDraw, total: int, aligned: bool, numel: int) -> bool:
 
 
 def normal_merges(sizes: Sequence[int]) -> bool:
-    """Whether one CPU ``normal_`` call over consecutive blocks of ``sizes`` elements draws what one call per block draws.
+    """Whether one CPU ``normal_`` call over consecutive blocks of ``sizes`` elements equals one call per block.
 
     torch's CPU kernel (``normal_kernel`` in ATen's ``native/cpu/DistributionTemplates.h``)
     takes one of two paths. A contiguous tensor of at least 16 elements is filled with
