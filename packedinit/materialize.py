@@ -19,6 +19,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .rng import global_restored
+
 __all__ = [
     "WriteRecorder",
     "dry_run",
@@ -101,11 +103,13 @@ def meta_stand_ins(model: nn.Module) -> Iterator[dict[int, Tensor]]:
 def dry_run(step: Callable[[], object], keys: dict[int, Tensor]) -> list[Tensor] | None:
     """Run ``step`` inside :func:`meta_stand_ins`; the original tensors it writes, or None if it raised.
 
-    The random number generators are restored afterwards, so code that draws on the CPU
-    (rather than into the meta stand-ins) changes nothing either.
+    The default CPU generator is restored afterwards if ``step`` drew from it (under
+    :data:`packedinit.rng.LOCK`; a state nobody changed is not written back, so other threads'
+    draws are never rewound), so code that draws on the CPU (rather than into the meta
+    stand-ins) changes nothing either.
     """
     recorder = WriteRecorder()
-    with torch.random.fork_rng(devices=[]):
+    with global_restored():
         try:
             with torch.no_grad(), recorder:
                 step()

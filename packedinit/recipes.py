@@ -42,6 +42,7 @@ from .materialize import (
     uncovered_message,
 )
 from .plan import InitSpec, Request
+from .rng import generator_as_default
 from .run import run
 from .traits import is_dtensor
 from .walk import init_tree, plan_requests, run_steps
@@ -73,28 +74,6 @@ def _check_generator(generator: object, where: str) -> torch.Generator | None:
     if generator is not None and not isinstance(generator, torch.Generator):
         raise PackedInitError(f"{where}: generator must be a torch.Generator, got {type(generator).__name__}.")
     return generator
-
-
-class _GeneratorAsDefault:
-    """Run code that draws from the default CPU RNG as if it drew from ``generator``.
-
-    For a CPU generator the states are interchangeable: the default generator takes
-    the generator's state, the code runs, the generator takes the advanced state and
-    the default generator gets its own state back (untouched, as promised).
-    """
-
-    def __init__(self, generator: torch.Generator) -> None:
-        self.generator = generator
-        self.saved: Tensor | None = None
-
-    def __enter__(self) -> None:
-        self.saved = torch.get_rng_state()
-        torch.set_rng_state(self.generator.get_state())
-
-    def __exit__(self, *exc: object) -> None:
-        self.generator.set_state(torch.get_rng_state())
-        assert self.saved is not None
-        torch.set_rng_state(self.saved)
 
 
 def _own_tensors(m: nn.Module) -> list[Tensor]:
@@ -375,14 +354,13 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
             raise PackedInitError(message)
         warnings.warn(message.replace(" or pass strict=False to initialise everything else and", " or"), stacklevel=2)
     holders = tensor_holders(module)
-    routed = _GeneratorAsDefault(gen) if gen is not None else None
     with hf_flags_cleared(module):
         for step in steps:
             with contextlib.ExitStack() as stack:
                 if step.globalize:
                     globalize(stack, [t for t in (step.covers or ()) if is_dtensor(t)], holders)
-                if step.route and routed is not None:
-                    stack.enter_context(routed)
+                if step.route and gen is not None:
+                    stack.enter_context(generator_as_default(gen))  # under packedinit.rng.LOCK
                 step.run()
 
 
