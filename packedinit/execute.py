@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor, nn
 
+from .errors import PackedInitError, packed_error
 from .layout import Layout, LogicalBlock, fmt_shape
 from .plan import INFERENCE_FIX, Plan, Request, Where, check_tensor, rejected
 from .traits import (
@@ -54,6 +55,7 @@ __all__ = [
     "lean_call",
     "lean_flags",
     "lean_ok",
+    "inference_refused",
     "PLAIN_TYPES",
 ]
 
@@ -436,13 +438,24 @@ def lean_call(
     """Call a torch.nn.init function on the whole tensor as it is (the lean path).
 
     Those functions check their input before they write and use no_grad themselves; a
-    rejection becomes PackedInitError (also an instance of the error torch raised).
+    rejection becomes PackedInitError (also an instance of the error torch raised). An
+    inference tensor outside inference mode is refused first: torch would write it (and
+    draw) before it refuses.
     """
+    if tensor.is_inference() and not torch.is_inference_mode_enabled():
+        raise inference_refused(tensor, param)
     try:
         fn(tensor, *args, **kwargs)
     except Exception as e:
         if not _lean_failed(Request(tensor, None, None, fn, args, kwargs, param), fn, e):
             raise
+
+
+def inference_refused(tensor: Tensor, param: str | None) -> PackedInitError:
+    """The error for an inference tensor outside inference mode (a RuntimeError, as torch's own)."""
+    where = Where(param, tensor.shape)
+    what = "Inplace update to inference tensor outside InferenceMode"
+    return packed_error(f"{where}: {what}: {INFERENCE_FIX} Nothing was written.", RuntimeError(what))
 
 
 def _lean_failed(req: Request, fn: Callable[..., Tensor], e: Exception) -> bool:
@@ -520,6 +533,8 @@ def run_whole(req: Request, fn: Callable[..., Tensor]) -> bool:
         return False
     if tensor.numel() == 0:
         return True
+    if tensor.is_inference() and not torch.is_inference_mode_enabled():
+        raise inference_refused(tensor, req.param)
     try:
         with torch.no_grad():
             out = fn(tensor, *req.args, **kwargs)

@@ -17,19 +17,21 @@ the init function against every distinct block shape (a dry run on meta tensors)
 from __future__ import annotations
 
 import fnmatch
+import re
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, TypeAlias
 
+import torch
 from torch import Tensor, nn
 
 from .chunks import Chunks
 from .claims import own_layouts, resolve
 from .distributed import DTensorPlan, plan_dtensor, write_planned
-from .errors import PackedInitError
-from .execute import LocalSink, Scratch, execute, run_whole
+from .errors import PackedInitError, packed_error
+from .execute import LocalSink, RngState, Scratch, execute, run_whole
 from .layout import Layout
 from .plan import Plan, Request, make_plan
 from .traits import fn_name, is_dtensor
@@ -99,8 +101,21 @@ def plan_requests(reqs: Iterable[Request]) -> list[Step]:
 
 
 def run_steps(steps: Sequence[Step], scratch: Scratch | None = None) -> None:
-    """Write what :func:`plan_steps` validated, in order, sharing one scratch buffer."""
+    """Write what :func:`plan_steps` validated, in order, sharing one scratch buffer.
+
+    When some function could not be tried on meta (it reads values: the dry run proved
+    nothing about it) and more than one tensor is written, every tensor is copied first, so
+    that a failure on a later tensor puts back the earlier ones and the RNG state: the call
+    stays all-or-nothing.
+    """
     scratch = scratch or Scratch()
+    if len(steps) > 1 and any(s.plan is not None and not s.plan.verified for s in steps):
+        _run_undoable(steps, scratch)
+        return
+    _run(steps, scratch)
+
+
+def _run(steps: Sequence[Step], scratch: Scratch) -> None:
     for step in steps:
         if step.dtensor is not None:
             write_planned(step.dtensor, scratch)
@@ -108,6 +123,31 @@ def run_steps(steps: Sequence[Step], scratch: Scratch | None = None) -> None:
             fn = step.req.init_fn
             if not (step.lean and callable(fn) and run_whole(step.req, fn)):
                 execute(step.plan, LocalSink(step.req.tensor, step.plan.layout), scratch)
+
+
+def _run_undoable(steps: Sequence[Step], scratch: Scratch) -> None:
+    tensors = [s.req.tensor for s in steps]
+    backups = [t.detach().clone() for t in tensors]
+    plan = next(s.plan for s in steps if s.plan is not None)
+    rng = RngState(tensors[0].device, plan.generator)
+    try:
+        _run(steps, scratch)
+    except Exception as e:
+        with torch.no_grad():
+            for t, b in zip(tensors, backups, strict=True):
+                t.copy_(b)
+        rng.restore()
+        if isinstance(e, PackedInitError):
+            msg = _AS_LEFT.sub("Nothing was written", str(e))
+            cause = e.__cause__
+            msg += " (packedinit restored every tensor it had written and the RNG state)"
+            raise packed_error(msg, cause) from cause
+        if hasattr(e, "add_note"):
+            e.add_note("packedinit: restored every tensor it had written and the RNG state; nothing was written.")
+        raise
+
+
+_AS_LEFT = re.compile(r"packedinit wrote nothing; the tensor is as \S+ left it")
 
 
 def init_tree(

@@ -541,11 +541,15 @@ def test_bad_input_raises_before_writing(case: Case) -> None:
 
 
 def test_unpacked_inference_tensor_is_exactly_torch() -> None:
-    """chunks=None is exactly the plain call; torch writes an inference tensor, then refuses: we add the fix."""
+    """chunks=None: torch's error type and words, but refused before torch writes and draws (issue 20 item 8)."""
     t = _inference_tensor(3 * E, E)
+    before, rng = t.clone(), torch.get_rng_state()
     with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode") as info:
         chunked(init.xavier_uniform_)(t)
-    assert any("init it inside `with torch.inference_mode():`" in n for n in getattr(info.value, "__notes__", []))
+    assert isinstance(info.value, PackedInitError)
+    assert "init it inside `with torch.inference_mode():`" in str(info.value)
+    assert torch.equal(t, before), "the tensor was written"
+    assert torch.equal(torch.get_rng_state(), rng), "the RNG advanced"
 
 
 def test_parameter_name_is_in_the_message() -> None:
