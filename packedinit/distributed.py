@@ -266,8 +266,8 @@ def _block_target(plan: Plan, block: LogicalBlock, local: Tensor, ranges: Sequen
         # g * total + off + j with (g, j) = divmod(k, size): increasing in k, so the rows
         # inside [r.start, r.stop) are one run k0 <= k < k1.
         size = layout.sizes[block.part]
-        total = sum(layout.sizes)
-        off = sum(layout.sizes[: block.part])
+        total = layout.packed_size // layout.groups
+        off = layout.offset(block.part)
         k0 = _rows_before(r.start, layout.groups, size, total, off)
         k1 = _rows_before(r.stop, layout.groups, size, total, off)
         if k0 == k1:

@@ -110,7 +110,7 @@ class Layout:
         Layout(dim=2, sizes=(1, 1), groups=16, transposed=True, batch_dims=1)
     """
 
-    __slots__ = ("_batch_dims", "_dim", "_groups", "_hash", "_names", "_sizes", "_transposed")
+    __slots__ = ("_batch_dims", "_dim", "_groups", "_hash", "_names", "_offsets", "_sizes", "_transposed")
 
     def __init__(
         self,
@@ -160,6 +160,11 @@ class Layout:
         self._transposed = transposed
         self._batch_dims = operator.index(batch_dims)
         self._names = name_tuple
+        offsets, at = [], 0
+        for s in self._sizes:  # where each part starts within a group: planning stays linear in parts
+            offsets.append(at)
+            at += s
+        self._offsets = tuple(offsets)
         self._hash = hash(self._key())
 
     # -- value semantics -------------------------------------------------------------------
@@ -196,12 +201,21 @@ class Layout:
     @property
     def packed_size(self) -> int:
         """Length the packed dim must have: ``groups * sum(sizes)``."""
-        return self._groups * sum(self._sizes)
+        return self._groups * (self._offsets[-1] + self._sizes[-1])
 
     @property
     def num_parts(self) -> int:
         """Number of parts (``len(sizes)``)."""
         return len(self._sizes)
+
+    def offset(self, part: int) -> int:
+        """Where part ``part`` (an index) starts within one group: ``sum(sizes[:part])``, precomputed.
+
+        Examples:
+            >>> Layout(0, [4, 2, 2]).offset(2)
+            6
+        """
+        return self._offsets[part]
 
     def _key(self) -> tuple[object, ...]:
         return (self._dim, self._sizes, self._groups, self._transposed, self._batch_dims, self._names)
@@ -320,9 +334,8 @@ class Layout:
         for i in block.batch_index:
             v = v[i]
         d -= self._batch_dims
-        v = _split_dim(v, d, self._groups, sum(self._sizes))
-        off = sum(self._sizes[: block.part])
-        return v.narrow(d + 1, off, self._sizes[block.part])
+        v = _split_dim(v, d, self._groups, self._offsets[-1] + self._sizes[-1])
+        return v.narrow(d + 1, self._offsets[block.part], self._sizes[block.part])
 
     def to_storage(self, logical: Tensor, block: LogicalBlock, ndim: int) -> Tensor:
         """Map a tensor of ``block.shape`` to the shape of :meth:`storage_view` (a view).
