@@ -21,9 +21,8 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor, nn
 
-from .errors import PackedInitError, packed_error
 from .layout import Layout, LogicalBlock, fmt_shape
-from .plan import INFERENCE_FIX, Plan, Request, Where, check_tensor, rejected
+from .plan import INFERENCE_FIX, Plan, Request, Where, check_tensor, inference_refused, rejected
 from .traits import (
     GENERATOR_OK,
     LEAN,
@@ -55,7 +54,6 @@ __all__ = [
     "lean_call",
     "lean_flags",
     "lean_ok",
-    "inference_refused",
     "PLAIN_TYPES",
 ]
 
@@ -449,13 +447,6 @@ def lean_call(
     except Exception as e:
         if not _lean_failed(Request(tensor, None, None, fn, args, kwargs, param), fn, e):
             raise
-
-
-def inference_refused(tensor: Tensor, param: str | None) -> PackedInitError:
-    """The error for an inference tensor outside inference mode (a RuntimeError, as torch's own)."""
-    where = Where(param, tensor.shape)
-    what = "Inplace update to inference tensor outside InferenceMode"
-    return packed_error(f"{where}: {what}: {INFERENCE_FIX} Nothing was written.", RuntimeError(what))
 
 
 def _lean_failed(req: Request, fn: Callable[..., Tensor], e: Exception) -> bool:

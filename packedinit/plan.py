@@ -52,6 +52,7 @@ __all__ = [
     "check_tensor",
     "rejected",
     "INFERENCE_FIX",
+    "inference_refused",
 ]
 
 #: An init function: ``fn(tensor, *args, **kwargs) -> tensor``, filling ``tensor`` in place.
@@ -239,6 +240,13 @@ INFERENCE_FIX = (
     "the tensor was created under torch.inference_mode() and cannot be written outside it; "
     "init it inside `with torch.inference_mode():` or create it outside inference mode."
 )
+
+
+def inference_refused(tensor: Tensor, param: str | None) -> PackedInitError:
+    """The error for an inference tensor outside inference mode (a RuntimeError, as torch's own)."""
+    where = Where(param, tensor.shape)
+    what = "Inplace update to inference tensor outside InferenceMode"
+    return packed_error(f"{where}: {what}: {INFERENCE_FIX} Nothing was written.", RuntimeError(what))
 
 
 def _may_overlap(shape: Sequence[int], stride: Sequence[int]) -> bool:
