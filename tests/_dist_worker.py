@@ -77,6 +77,8 @@ CASES: tuple[Case, ...] = (
     Case("mha_kaiming_gain", (3 * E, E), [E, E, E], 0, init.kaiming_uniform_, (), {"a": 0.3, "mode": "fan_out"}),
     # GQA: uneven sizes, and uneven shards (14 rows over 4 ranks: 4, 4, 4, 2).
     Case("gqa_kaiming_normal", (14, 7), [6, 4, 4], 0, init.kaiming_normal_, placements_2d=("S0,S1",)),
+    # issue 20 item 1: normal_ blocks of 16, 4, 4 elements (a packed GQA bias): torch's small-tensor path
+    Case("gqa_bias_normal", (24,), [16, 4, 4], 0, init.normal_, placements_1d=("S0", "R")),
     # GPT-NeoX: q, k, v inside each of 3 heads; shards cut across heads (18 over 4: 5, 5, 5, 3).
     Case("neox_xavier_normal", (18, 5), Layout(0, [2, 2, 2], groups=3), None, init.xavier_normal_,
          placements_2d=("S0,S0", "S1,S0")),
