@@ -273,10 +273,10 @@ def _plan(module: nn.Module, gen: torch.Generator | None) -> list[_Step]:
 
 def _dry_run_all(module: nn.Module, steps: list[_Step]) -> list[_Step]:
     """Fill in what each third-party step writes; drop a torch default that the model's own init overwrites."""
-    with meta_stand_ins(module) as keys:
+    with meta_stand_ins(module) as stand_ins, hf_flags_cleared(module):
         for step in steps:
             if step.covers is None:
-                written = dry_run(step.run, keys)
+                written = dry_run(step.run, stand_ins)
                 # init code that fails on meta tensors: trust the convention (a module initialises its own tensors)
                 step.covers = written if written is not None else _own_tensors(step.module)
     kept: list[_Step] = []
