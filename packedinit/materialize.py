@@ -132,6 +132,10 @@ class StandIns:
     keys: dict[int, Tensor] = field(default_factory=dict)
     slots: list[tuple[dict[str, Any], str, Tensor, Tensor]] = field(default_factory=list)
 
+    def originals(self, tensors: list[Tensor]) -> list[Tensor]:
+        """The original tensors of these stand-ins (tensors that are no stand-in are left out)."""
+        return [self.keys[k] for k in (storage_key(t) for t in tensors) if k in self.keys]
+
 
 @contextlib.contextmanager
 def meta_stand_ins(model: nn.Module) -> Iterator[StandIns]:

@@ -41,6 +41,7 @@ from .materialize import (
     tensor_holders,
     uncovered_message,
 )
+from .parametrized import is_parametrized, run_unparametrized
 from .plan import InitSpec, Request
 from .run import run
 from .traits import is_dtensor
@@ -98,7 +99,10 @@ class _GeneratorAsDefault:
 
 
 def _own_tensors(m: nn.Module) -> list[Tensor]:
-    return [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+    """``m``'s own parameters and buffers, the originals of its parametrized tensors included."""
+    held = m._modules.get("parametrizations")
+    extra = [*held.parameters(), *held.buffers()] if isinstance(held, nn.ModuleDict) else []
+    return [*m.parameters(recurse=False), *m.buffers(recurse=False), *extra]
 
 
 def reset_multihead_attention(m: nn.MultiheadAttention, generator: torch.Generator | None = None) -> None:
@@ -262,6 +266,9 @@ def _plan(module: nn.Module, gen: torch.Generator | None) -> list[_Step]:
             steps.append(_Step(m, functools.partial(_reset_hf_lstm, m, gen), False, list(m.parameters())))
             continue
         default = _default_step(m, gen)
+        if default is not None and is_parametrized(m):  # construction ran it before the parametrization came
+            run_plain = functools.partial(run_unparametrized, m, default.run)
+            default = _Step(m, run_plain, default.route, None, default.globalize)
         if default is not None:
             steps.append(default)
         if owner is not None and not isinstance(m, nn.MultiheadAttention):  # MHA: torch's own init, per block
@@ -278,7 +285,7 @@ def _dry_run_all(module: nn.Module, steps: list[_Step]) -> list[_Step]:
             if step.covers is None:
                 written = dry_run(step.run, stand_ins)
                 # init code that fails on meta tensors: trust the convention (a module initialises its own tensors)
-                step.covers = written if written is not None else _own_tensors(step.module)
+                step.covers = written if written is not None else stand_ins.originals(_own_tensors(step.module))
     kept: list[_Step] = []
     for i, step in enumerate(steps):
         later = steps[i + 1] if i + 1 < len(steps) else None
