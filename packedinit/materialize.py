@@ -81,9 +81,10 @@ def meta_noop_inits() -> dict[types.CodeType, str]:
     found: dict[types.CodeType, str] = {}
     for name, f in vars(torch.nn.init).items():
         code = getattr(f, "__code__", None)
-        if isinstance(f, types.FunctionType) and isinstance(code, types.CodeType):
-            if "is_meta" in code.co_names and code.co_varnames[:1] == ("tensor",):
-                found[code] = name
+        if not isinstance(f, types.FunctionType) or not isinstance(code, types.CodeType):
+            continue
+        if "is_meta" in code.co_names and code.co_varnames[:1] == ("tensor",):
+            found[code] = name
     return found
 
 
@@ -97,7 +98,7 @@ def _calls_recorded(written: set[int], codes: dict[types.CodeType, str]) -> Iter
     """
     before = sys.getprofile()
 
-    def hook(frame: types.FrameType, event: str, arg: object) -> object:
+    def hook(frame: types.FrameType, event: Any, arg: object) -> object:
         if event == "call" and frame.f_code in codes:
             t = frame.f_locals.get("tensor")
             if isinstance(t, Tensor) and t.is_meta:
@@ -244,7 +245,7 @@ def retie(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def hf_flags_cleared(model: nn.Module) -> Iterator[None]:
-    """transformers skips what is flagged ``_is_hf_initialized`` (loaded tensors, initialised modules); unflag meanwhile.
+    """transformers skips what is flagged ``_is_hf_initialized`` (loaded tensors, initialised modules): unflag it.
 
     The flag sits on tensors (``transformers.initialization``'s functions test it) and on
     modules (``_initialize_weights`` skips a flagged module; ViTMAE's sin-cos position

@@ -35,7 +35,7 @@ def weight_norm_hooks(m: nn.Module) -> list[Any]:
     return [h for h in m._forward_pre_hooks.values() if type(h).__name__ == "WeightNorm" and hasattr(h, "name")]
 
 
-def _originals(plist: nn.Module) -> list[Tensor]:
+def _originals(plist: Any) -> list[Tensor]:
     if getattr(plist, "is_tensor", False):
         return [plist.original]
     out: list[Tensor] = []
@@ -59,18 +59,19 @@ def parametrized_original(owner: nn.Module, name: str, fqn: str, sizes: object =
         return None
     with torch.no_grad():
         shape = tuple(getattr(owner, name).shape)
-    same = [t for t in _originals(holder[name]) if tuple(t.shape) == shape]
+    plist: Any = holder[name]
+    same = [t for t in _originals(plist) if tuple(t.shape) == shape]
     if len(same) != 1:
         raise PackedInitError(
             f"parameter {fqn!r} of shape {shape} is packed and parametrized "
-            f"({', '.join(type(p).__name__ for p in holder[name])}), and {len(same)} of its originals have that "
+            f"({', '.join(type(p).__name__ for p in plist)}), and {len(same)} of its originals have that "
             f"shape, so packedinit cannot tell which one holds the blocks; annotate the original "
             f"(packedinit.annotate(module.parametrizations.{name}, original0=Layout(...)))."
         )
     return same[0]
 
 
-def _write_through(plist: nn.Module, value: Tensor) -> None:
+def _write_through(plist: Any, value: Tensor) -> None:
     """``module.<name> = value`` as torch does it (``right_inverse`` last to first), but copying into the originals.
 
     Copying keeps the original Parameter objects and their storage (optimizers, FSDP keep
@@ -83,11 +84,12 @@ def _write_through(plist: nn.Module, value: Tensor) -> None:
             out = inverse(out)
     originals = _originals(plist)
     values = [out] if getattr(plist, "is_tensor", False) else list(out)
-    for original, v in zip(originals, values):
+    for original, v in zip(originals, values, strict=True):
         original.copy_(v)
     for p in plist:
         if type(p).__name__ == "_SpectralNorm" and "_u" in p._buffers:  # a vector weight has no _u, _v
             _redraw_spectral(p, originals[0])
+    plist()  # registration evaluates the parametrization once (a spectral_norm in training mode iterates)
 
 
 def _redraw_spectral(p: Any, weight: Tensor) -> None:
@@ -127,7 +129,8 @@ def unparametrized(m: nn.Module) -> Iterator[None]:
     if isinstance(holder, nn.ModuleDict):
         m.__class__ = torch.nn.utils.parametrize.type_before_parametrizations(m)
         del m._modules["parametrizations"]
-    m._parameters.update(plain)
+    params: dict[str, Any] = m._parameters
+    params.update(plain)
     try:
         yield
     finally:

@@ -44,6 +44,7 @@ from .materialize import (
 from .parametrized import is_parametrized, run_unparametrized
 from .plan import InitSpec, Request
 from .run import run
+from .ties import later_holders, without_later_ties
 from .traits import is_dtensor
 from .walk import init_tree, plan_requests, run_steps
 
@@ -382,12 +383,15 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
             raise PackedInitError(message)
         warnings.warn(message.replace(" or pass strict=False to initialise everything else and", " or"), stacklevel=2)
     holders = tensor_holders(module)
+    later = later_holders(module)  # a tie's later holder (nanoGPT's lm_head) did not init the shared tensor
     routed = _GeneratorAsDefault(gen) if gen is not None else None
     with hf_flags_cleared(module):
         for step in steps:
             with contextlib.ExitStack() as stack:
                 if step.globalize:
                     globalize(stack, [t for t in (step.covers or ()) if is_dtensor(t)], holders)
+                else:
+                    stack.enter_context(without_later_ties(step.module, later))
                 if step.route and routed is not None:
                     stack.enter_context(routed)
                 step.run()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from packedinit import PackedInitError, layouts
+from packedinit import layouts
 from packedinit.recipes import reset_parameters
 
 transformers = pytest.importorskip("transformers", reason="needs the test extras: pip install -e '.[test]'")
