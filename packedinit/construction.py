@@ -13,12 +13,14 @@ from __future__ import annotations
 import contextlib
 import sys
 import types
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .claims import layouts
 from .errors import PackedInitError
@@ -43,6 +45,8 @@ class Deferred:
 
     calls: list[tuple[int, Any, dict[str, Any]]] = field(default_factory=list)
     names: dict[int, str] = field(default_factory=dict)
+    #: storage key -> the ops that wrote it in place outside torch.nn.init and init methods (cannot be replayed)
+    other_writes: dict[int, set[str]] = field(default_factory=dict)
 
     def bind(self, model: nn.Module) -> None:
         """Name the recorded tensors by the model's parameter and buffer names (while it is still on meta:
@@ -67,6 +71,16 @@ class Deferred:
                 of ``model`` (nothing is written then).
         """
         by_name = dict((*model.named_parameters(), *model.named_buffers()))
+        unreplayable = {self.names[k]: ops for k, ops in self.other_writes.items() if self.names.get(k) in by_name}
+        if unreplayable:
+            warnings.warn(
+                f"deferred: construction wrote {len(unreplayable)} tensor(s) in place outside torch.nn.init and "
+                f"init methods, which cannot be replayed: "
+                + ", ".join(f"{n!r} ({', '.join(sorted(ops))})" for n, ops in unreplayable.items())
+                + "; they hold what reset_parameters and the recorded init calls give instead. Fix: move those "
+                f"writes into the module's reset_parameters() method.",
+                stacklevel=2,
+            )
         known = layouts(model)
         lost = [getattr(fn, "__name__", fn) for key, fn, _ in self.calls if self.names.get(key) not in by_name]
         if lost:
@@ -127,10 +141,31 @@ def deferred() -> Iterator[Deferred]:
 
     sys.setprofile(hook)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _OtherWrites(found.other_writes, depth):
             yield found
     finally:
         sys.setprofile(before)
+
+
+class _OtherWrites(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves __init_subclass__ untyped
+    """Records in-place writes to meta tensors made outside init functions and init methods."""
+
+    def __init__(self, into: dict[int, set[str]], depth: list[int]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves __init__ untyped
+        self.into = into
+        self.depth = depth
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.depth[0] == 0:
+            for i, arg in enumerate(func._schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    value = args[i] if i < len(args) else kwargs.get(arg.name)
+                    if isinstance(value, Tensor) and value.is_meta and not _inside_init_method(sys._getframe()):
+                        self.into.setdefault(storage_key(value), set()).add(str(func.overloadpacket.__name__))
+        return func(*args, **kwargs)
 
 
 def _inside_init_method(frame: types.FrameType) -> bool:

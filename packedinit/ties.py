@@ -92,14 +92,18 @@ def later_holders(module: nn.Module) -> set[tuple[int, str]]:
 
 @contextlib.contextmanager
 def without_later_ties(m: nn.Module, later: set[tuple[int, str]]) -> Iterator[None]:
-    """Meanwhile the tensors ``m`` holds only as a later holder are meta stand-ins: its init writes nothing to them."""
+    """Meanwhile the tensors ``m`` holds only as a later holder are scratch tensors of the same kind.
+
+    Its init draws what construction drew into its own tensor (so the random stream stays the
+    construction's), and the shared tensor keeps what its first holder wrote.
+    """
     swapped: list[tuple[dict[str, Any], str, Tensor]] = []
     stores: tuple[dict[str, Any], ...] = (m._parameters, m._buffers)
     for store in stores:
         for name, t in list(store.items()):
             if t is not None and (id(m), name) in later:
-                meta = torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
-                store[name] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                scratch = torch.empty_like(t)
+                store[name] = nn.Parameter(scratch, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else scratch
                 swapped.append((store, name, t))
     try:
         yield

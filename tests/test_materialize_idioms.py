@@ -293,3 +293,30 @@ def test_nanogpt_init_and_tie_through_deferred() -> None:
         assert bool(q.isfinite().all())
         if n not in packed and p.numel() >= 32 and float(p.detach().std()) > 0:
             assert abs(float(q.detach().std()) / float(p.detach().std()) - 1) < 0.15, n
+
+
+def test_nanogpt_is_bit_identical_to_a_cpu_build_under_the_fix() -> None:
+    with packedinit.fix_torch_defaults():
+        torch.manual_seed(0)
+        normal = NanoGPTInit()
+    with packedinit.deferred() as construction:
+        flow = NanoGPTInit()
+    torch.manual_seed(0)
+    construction.materialize(flow, device="cpu")
+    assert state(normal).keys() == state(flow).keys()
+    assert all(torch.equal(a, b) for a, b in zip(state(normal).values(), state(flow).values(), strict=True))
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.proj.weight.mul_(0.1)  # an in-place write that is no init call: cannot be replayed
+
+
+def test_construction_writes_that_cannot_be_replayed_are_named() -> None:
+    with packedinit.deferred() as construction:
+        model = Scaled()
+    with pytest.warns(UserWarning, match=r"cannot be replayed: 'proj.weight' \(mul_\).*reset_parameters\(\)"):
+        construction.materialize(model, device="cpu")
