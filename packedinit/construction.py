@@ -78,7 +78,7 @@ class Deferred:
                 f"init methods, which cannot be replayed: "
                 + ", ".join(f"{n!r} ({', '.join(sorted(ops))})" for n, ops in unreplayable.items())
                 + "; they hold what reset_parameters and the recorded init calls give instead. Fix: move those "
-                f"writes into the module's reset_parameters() method.",
+                "writes into the module's reset_parameters() method.",
                 stacklevel=2,
             )
         known = layouts(model)

@@ -9,6 +9,7 @@ share each tensor before the move and shares the new tensor again after it.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
@@ -44,6 +45,8 @@ def to_empty(module: M, *, device: torch.device | str | int | None, recurse: boo
     (``meta -> [fully_shard] -> to_empty -> reset_parameters``). torch's own ``to_empty``
     unties shared Parameters (each module gets its own new tensor); this one records the
     modules that share each tensor before the move and makes them share the new one after.
+    A tie it cannot keep (the holders now have tensors of different kinds, one sharded and
+    one not) is named in a warning.
 
     Args:
         module: the model.
@@ -73,12 +76,32 @@ def to_empty(module: M, *, device: torch.device | str | int | None, recurse: boo
         raise PackedInitError(f"to_empty(module) needs an nn.Module, got {type(module).__name__}.")
     ties = shared_tensors(module)
     module.to_empty(device=device, recurse=recurse)
+    paths = {id(m): p for p, m in module.named_modules(remove_duplicate=False)}
+    lost: list[str] = []
     for held in ties:
         first, name = held[0]
         shared: Any = _store(first, name)[name]
         for m, n in held[1:]:
+            new = _store(m, n)[n]
+            if new is shared:
+                continue  # kept by whoever moved it (FSDP2 keeps its ties)
+            if type(new) is not type(shared) or new.shape != shared.shape:
+                lost.append(f"{_qualified(paths, m, n)!r} from {_qualified(paths, first, name)!r}")
+                continue  # different kinds now (one side sharded): sharing one would be wrong
             _store(m, n)[n] = shared
+    if lost:
+        warnings.warn(
+            f"to_empty({type(module).__name__}): {len(lost)} tie(s) could not be kept: {', '.join(lost)} (the "
+            f"holders got tensors of different kinds, e.g. one sharded and one not); tie them again after "
+            f"materialising, or shard both holders together.",
+            stacklevel=2,
+        )
     return module
+
+
+def _qualified(paths: dict[int, str], m: nn.Module, name: str) -> str:
+    prefix = paths.get(id(m), "")
+    return f"{prefix}.{name}" if prefix else name
 
 
 def later_holders(module: nn.Module) -> set[tuple[int, str]]:
@@ -103,7 +126,8 @@ def without_later_ties(m: nn.Module, later: set[tuple[int, str]]) -> Iterator[No
         for name, t in list(store.items()):
             if t is not None and (id(m), name) in later:
                 scratch = torch.empty_like(t)
-                store[name] = nn.Parameter(scratch, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else scratch
+                is_param = isinstance(t, nn.Parameter)
+                store[name] = nn.Parameter(scratch, requires_grad=t.requires_grad) if is_param else scratch
                 swapped.append((store, name, t))
     try:
         yield

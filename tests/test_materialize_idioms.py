@@ -320,3 +320,17 @@ def test_construction_writes_that_cannot_be_replayed_are_named() -> None:
         model = Scaled()
     with pytest.warns(UserWarning, match=r"cannot be replayed: 'proj.weight' \(mul_\).*reset_parameters\(\)"):
         construction.materialize(model, device="cpu")
+
+
+def test_a_tie_to_empty_cannot_keep_is_named() -> None:
+    class Alias(nn.Module):  # a buffer that aliases another module's Parameter: a Parameter and a tensor after
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Module()
+            self.b.register_buffer("w", self.a.weight)
+
+    with torch.device("meta"):
+        model = Alias()
+    with pytest.warns(UserWarning, match=r"1 tie\(s\) could not be kept: 'b.w' from 'a.weight'"):
+        packedinit.to_empty(model, device="cpu")
