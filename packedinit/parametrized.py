@@ -101,6 +101,30 @@ def _redraw_spectral(p: Any, weight: Tensor) -> None:
     p._power_method(p._reshape_weight_to_matrix(weight), 15)
 
 
+def _plain_kind(m: nn.Module, plist: nn.Module, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype of ``m.<name>``, found by evaluating the parametrization on meta copies.
+
+    The real originals may hold garbage (after ``to_empty``), which some parametrizations
+    reject; meta copies cost nothing, and a spectral norm's iteration writes nothing real.
+    """
+    swapped: list[tuple[dict[str, Any], str, Tensor]] = []
+    for sub in plist.modules():
+        stores: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
+        for store in stores:
+            for n, t in list(store.items()):
+                if t is not None and not t.is_meta:
+                    meta = torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+                    is_param = isinstance(t, nn.Parameter)
+                    store[n] = nn.Parameter(meta, requires_grad=t.requires_grad) if is_param else meta
+                    swapped.append((store, n, t))
+    try:
+        value = getattr(m, name)
+        return tuple(value.shape), value.dtype
+    finally:
+        for store, n, t in swapped:
+            store[n] = t
+
+
 @contextlib.contextmanager
 def unparametrized(m: nn.Module) -> Iterator[None]:
     """Within the block ``m`` is as before its parametrizations, each parametrized tensor a plain Parameter.
@@ -120,8 +144,10 @@ def unparametrized(m: nn.Module) -> Iterator[None]:
     with torch.no_grad():
         if isinstance(holder, nn.ModuleDict):
             for name in holder:
-                value = getattr(m, name)
-                plain[name] = nn.Parameter(torch.empty_like(value), requires_grad=value.requires_grad)
+                shape, dtype = _plain_kind(m, holder[name], name)
+                originals = _originals(holder[name])
+                device, grad = originals[0].device, any(o.requires_grad for o in originals)
+                plain[name] = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=grad)
         for h in hooks:
             v = getattr(m, h.name + "_v")
             plain[h.name] = nn.Parameter(torch.empty_like(v), requires_grad=v.requires_grad)

@@ -334,3 +334,12 @@ def test_a_tie_to_empty_cannot_keep_is_named() -> None:
         model = Alias()
     with pytest.warns(UserWarning, match=r"1 tie\(s\) could not be kept: 'b.w' from 'a.weight'"):
         packedinit.to_empty(model, device="cpu")
+
+
+def test_a_parametrized_weight_keeps_requires_grad_and_garbage_is_never_evaluated() -> None:
+    lin = parametrizations.orthogonal(nn.Linear(5, 5))
+    with torch.no_grad():
+        lin.parametrizations.weight.original.fill_(math.nan)  # what to_empty may leave
+    reset_parameters(lin)
+    assert torch.allclose(lin.weight @ lin.weight.T, torch.eye(5), atol=1e-5)
+    assert lin.parametrizations.weight.original.requires_grad
