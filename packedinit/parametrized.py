@@ -22,7 +22,14 @@ from torch import Tensor, nn
 
 from .errors import PackedInitError
 
-__all__ = ["is_parametrized", "parametrized_original", "run_unparametrized", "unparametrized", "weight_norm_hooks"]
+__all__ = [
+    "check_writable",
+    "is_parametrized",
+    "parametrized_original",
+    "run_unparametrized",
+    "unparametrized",
+    "weight_norm_hooks",
+]
 
 
 def is_parametrized(m: nn.Module) -> bool:
@@ -177,6 +184,24 @@ def unparametrized(m: nn.Module) -> Iterator[None]:
             getattr(m, h.name + "_v").copy_(plain[h.name])
             if computed.get(h.name) is not None:
                 m.__dict__[h.name] = h.compute_weight(m)
+
+
+def check_writable(m: nn.Module) -> None:
+    """Raise before any write when ``m``'s originals cannot be written through (sharded DTensors).
+
+    Raises:
+        PackedInitError: an original of a parametrized tensor of ``m`` is a DTensor.
+    """
+    holder = m._modules.get("parametrizations")
+    if not isinstance(holder, nn.ModuleDict):
+        return
+    for name in holder:
+        if any(type(t).__name__ == "DTensor" for t in _originals(holder[name])):
+            raise PackedInitError(
+                f"reset_parameters: {name!r} of {type(m).__name__} is parametrized and sharded (DTensor "
+                f"originals); writing it through right_inverse per shard is not supported. Fix: materialise and "
+                f"initialise before fully_shard, or register the parametrization after initialising."
+            )
 
 
 def run_unparametrized(m: nn.Module, step: Callable[[], object]) -> None:

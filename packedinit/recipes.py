@@ -41,7 +41,7 @@ from .materialize import (
     tensor_holders,
     uncovered_message,
 )
-from .parametrized import is_parametrized, run_unparametrized
+from .parametrized import check_writable, is_parametrized, run_unparametrized
 from .plan import InitSpec, Request
 from .run import run
 from .ties import later_holders, without_later_ties
@@ -268,6 +268,7 @@ def _plan(module: nn.Module, gen: torch.Generator | None) -> list[_Step]:
             continue
         default = _default_step(m, gen)
         if default is not None and is_parametrized(m):  # construction ran it before the parametrization came
+            check_writable(m)
             run_plain = functools.partial(run_unparametrized, m, default.run)
             default = _Step(m, run_plain, default.route, None, default.globalize)
         if default is not None:
@@ -330,8 +331,16 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
       ``nn.MultiheadAttention`` and ``nn.LSTM`` defaults are run per block. Tied
       weights are tied again first (``tie_weights()``): ``to_empty`` unties them.
 
+    - a parametrized module (``weight_norm``, ``spectral_norm``, ``orthogonal``):
+      its own init on a plain stand-in of the unparametrised weight, the originals
+      written through ``right_inverse`` (see :mod:`packedinit.parametrized`).
+    - a Parameter several modules share (``lm_head.weight = wte.weight``): initialised
+      by its first holder; a later holder's init draws into scratch, as construction did
+      before the tie (use :func:`packedinit.to_empty` to keep plain ties).
+
     What each third-party init writes is found first, by running it on meta
-    stand-ins of the tensors (no memory, no random numbers). A parameter or buffer
+    stand-ins of the tensors (no memory, no random numbers; the ``torch.nn.init``
+    functions that return early on meta, and tensors assigned anew, count). A parameter or buffer
     that nothing writes (a custom module with a parameter and no
     ``reset_parameters``) is named in a ``PackedInitError`` before anything is
     written; with ``strict=False`` it is named in one warning and left as it is.
