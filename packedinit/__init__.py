@@ -14,11 +14,13 @@ from .api import ChunkedInit, chunked, chunked_init
 from .audit import AuditReport, BlockAudit, ParamAudit, Reference, audit
 from .chunks import Chunks, logical_blocks
 from .claims import annotate, layouts
+from .construction import deferred
 from .errors import PackedInitError
 from .layout import Layout, LogicalBlock
 from .plan import InitFn, InitSpec
 from .recipes import init_recurrent_, reset_parameters
 from .registry import Adapter, register, registered, unregister
+from .ties import to_empty
 from .torch_defaults import fix_torch_defaults
 from .walk import init_model
 
@@ -49,6 +51,8 @@ __all__ = [
     "fused_gate_up",
     "init_model",
     "reset_parameters",
+    "to_empty",
+    "deferred",
     "init_recurrent_",
     "fix_torch_defaults",
     # audit

@@ -23,6 +23,7 @@ layout, with a ready-to-paste :func:`packedinit.annotate` line (see
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -359,7 +360,8 @@ def audit(
     order = {n: i for i, n in enumerate(by_name)}
     items.sort(key=lambda it: order[it[0]])
     aliases = {first_name[i]: [n for n in ns if n != first_name[i]] for i, ns in names_of.items() if len(ns) > 1}
-    found = guesses(model, {n for i in seen for n in names_of[i]}) if guess else []
+    lazy = tuple(n for n, p in all_named if isinstance(p, nn.parameter.UninitializedParameter))
+    found = guesses(model, {*lazy, *(n for i in seen for n in names_of[i])}) if guess else []
     found = [g for g in found if id(g.param) not in seen]
     context: dict[str, tuple[Reference, ...]] = {}
     modules: dict[str, str] = {}
@@ -367,7 +369,7 @@ def audit(
         owner = _owner(model, name)
         context[name] = context_references(model, owner)
         modules[name] = type(owner).__name__
-    unpacked = len(names_of) - len(items) - len(found)
+    unpacked = len(names_of) - len(items) - len(found) - len(lazy)
     report = audit_tensors(
         items,
         references=references,
@@ -378,6 +380,8 @@ def audit(
         context=context,
         modules=modules,
     )
+    if lazy:
+        report = dataclasses.replace(report, lazy=lazy)
     if not found:
         return report
     guessed = audit_tensors(
@@ -385,5 +389,10 @@ def audit(
     )
     sus = tuple(Suspect(g.name, g.why, g.layout, g.annotate, p) for g, p in zip(found, guessed.params, strict=True))
     return AuditReport(
-        params=report.params, references=report.references, unpacked=unpacked, model=report.model, suspects=sus
+        params=report.params,
+        references=report.references,
+        unpacked=unpacked,
+        model=report.model,
+        suspects=sus,
+        lazy=lazy,
     )

@@ -264,6 +264,7 @@ class AuditReport:
         z: the z-score of every test.
         tolerance_floor: the smallest relative tolerance.
         suspects: parameters nobody described that look packed (see :class:`Suspect`).
+        lazy: parameters of lazy modules (``nn.LazyLinear``) not yet materialised: skipped.
     """
 
     params: tuple[ParamAudit, ...]
@@ -273,6 +274,7 @@ class AuditReport:
     z: float = Z
     tolerance_floor: float = TOL_FLOOR
     suspects: tuple[Suspect, ...] = ()
+    lazy: tuple[str, ...] = ()
     _by_name: Mapping[str, ParamAudit] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -331,7 +333,10 @@ class AuditReport:
             text += f", {len(single)} single-block stored transposed or batched ({tally(single)})"
         if self.suspects:
             text += f", {len(self.suspects)} look packed"
-        return text + f", {self.unpacked} unpacked parameter(s) not audited"
+        text += f", {self.unpacked} unpacked parameter(s) not audited"
+        if self.lazy:
+            text += f", {len(self.lazy)} lazy parameter(s) skipped (not materialised yet: {', '.join(self.lazy)})"
+        return text
 
     def fix(self) -> str | None:
         """The one call that fixes the affected parameters (``None`` when nothing is affected)."""

@@ -18,6 +18,7 @@ from .errors import PackedInitError
 from .layout import Layout, fmt_shape
 from .marks import ANNOTATIONS, has_annotations, stamp
 from .marks import annotations_of as stored_annotations
+from .parametrized import parametrized_original
 from .registry import adapter_name, ensure_builtins, key_name, lookup
 
 __all__ = ["layouts", "annotate", "annotations_of", "resolve", "own_layouts"]
@@ -51,7 +52,8 @@ def _own_param(module: nn.Module, name: str) -> Tensor | None:
         if sub is None:
             return None
         owner = sub
-    return owner._parameters.get(leaf)
+    found = owner._parameters.get(leaf)
+    return found if found is not None else parametrized_original(owner, leaf, name)
 
 
 def _param_names(module: nn.Module) -> str:

@@ -12,7 +12,10 @@ by class path, and only the model's own methods are called.
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,12 +25,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .rng import global_restored
 
 __all__ = [
+    "StandIns",
     "WriteRecorder",
     "dry_run",
     "globalize",
     "hf_flags_cleared",
     "hf_owners",
     "is_hf_pretrained",
+    "meta_noop_inits",
     "meta_stand_ins",
     "retie",
     "storage_key",
@@ -64,6 +69,53 @@ class WriteRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         return func(*args, **kwargs)
 
 
+def meta_noop_inits() -> dict[types.CodeType, str]:
+    """The ``torch.nn.init`` functions that return early on meta tensors, by code object.
+
+    torch 2.13's ``trunc_normal_``, ``orthogonal_``, ``dirac_`` and ``sparse_`` test
+    ``tensor.is_meta`` and return before any op, so no dispatch mode sees their write.
+    Found by what the functions read (``is_meta``), so the set follows the installed torch.
+
+    Examples:
+        >>> sorted(set(meta_noop_inits().values()) & {"orthogonal_", "dirac_", "sparse_"})
+        ['dirac_', 'orthogonal_', 'sparse_']
+    """
+    found: dict[types.CodeType, str] = {}
+    for name, f in vars(torch.nn.init).items():
+        code = getattr(f, "__code__", None)
+        if not isinstance(f, types.FunctionType) or not isinstance(code, types.CodeType):
+            continue
+        if "is_meta" in code.co_names and code.co_varnames[:1] == ("tensor",):
+            found[code] = name
+    return found
+
+
+@contextlib.contextmanager
+def _calls_recorded(written: set[int], codes: dict[types.CodeType, str]) -> Iterator[None]:
+    """Meanwhile every call of a function in ``codes`` adds its ``tensor``'s storage to ``written``.
+
+    A profile hook sees the call whoever makes it and under whatever name the function was
+    imported (``from torch.nn.init import trunc_normal_``, transformers' wrappers); a profiler
+    already installed keeps being called.
+    """
+    before = sys.getprofile()
+
+    def hook(frame: types.FrameType, event: Any, arg: object) -> object:
+        if event == "call" and frame.f_code in codes:
+            t = frame.f_locals.get("tensor")
+            if isinstance(t, Tensor) and t.is_meta:
+                written.add(storage_key(t))
+        if before is not None:
+            before(frame, event, arg)
+        return None
+
+    sys.setprofile(hook)
+    try:
+        yield
+    finally:
+        sys.setprofile(before)
+
+
 def _stand_in(t: Tensor) -> Tensor:
     meta = torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
     if isinstance(t, nn.Parameter):
@@ -71,16 +123,32 @@ def _stand_in(t: Tensor) -> Tensor:
     return meta
 
 
+@dataclass
+class StandIns:
+    """The meta stand-ins of a model: ``keys`` maps ``storage_key(stand_in)`` to the original tensor.
+
+    ``slots`` are ``(store, name, stand_in, original)``: where each stand-in sits, so that a
+    step that *assigns* a new tensor to a slot (litgpt's ``self.cos, self.sin = self.rope_cache()``)
+    is seen to fill it.
+    """
+
+    keys: dict[int, Tensor] = field(default_factory=dict)
+    slots: list[tuple[dict[str, Any], str, Tensor, Tensor]] = field(default_factory=list)
+
+    def originals(self, tensors: list[Tensor]) -> list[Tensor]:
+        """The original tensors of these stand-ins (tensors that are no stand-in are left out)."""
+        return [self.keys[k] for k in (storage_key(t) for t in tensors) if k in self.keys]
+
+
 @contextlib.contextmanager
-def meta_stand_ins(model: nn.Module) -> Iterator[dict[int, Tensor]]:
+def meta_stand_ins(model: nn.Module) -> Iterator[StandIns]:
     """Within the block every parameter and buffer of ``model`` is a meta tensor of its (global) shape.
 
-    Tied tensors share one stand-in. Yields ``{storage_key(stand_in): original}``; the
-    original tensor objects are put back on exit, whatever happened inside.
+    Tied tensors share one stand-in. Yields the :class:`StandIns`; the original tensor
+    objects are put back on exit, whatever happened inside (assigned ones included).
     """
     memo: dict[int, Tensor] = {}
-    swapped: list[tuple[dict[str, Any], str, Any]] = []
-    keys: dict[int, Tensor] = {}
+    found = StandIns()
     try:
         for m in model.modules():
             stores: tuple[dict[str, Any], ...] = (m._parameters, m._buffers)
@@ -91,31 +159,43 @@ def meta_stand_ins(model: nn.Module) -> Iterator[dict[int, Tensor]]:
                     s = memo.get(id(t))
                     if s is None:
                         s = memo[id(t)] = _stand_in(t)
-                        keys[storage_key(s)] = t
-                    swapped.append((store, name, t))
+                        found.keys[storage_key(s)] = t
+                    found.slots.append((store, name, s, t))
                     store[name] = s
-        yield keys
+        yield found
     finally:
-        for store, name, t in reversed(swapped):
+        for store, name, _, t in reversed(found.slots):
             store[name] = t
 
 
-def dry_run(step: Callable[[], object], keys: dict[int, Tensor]) -> list[Tensor] | None:
-    """Run ``step`` inside :func:`meta_stand_ins`; the original tensors it writes, or None if it raised.
+def dry_run(step: Callable[[], object], stand_ins: StandIns) -> list[Tensor] | None:
+    """Run ``step`` inside :func:`meta_stand_ins`; the original tensors it fills, or None if it raised.
 
-    The default CPU generator is restored afterwards if ``step`` drew from it (under
-    :data:`packedinit.rng.LOCK`; a state nobody changed is not written back, so other threads'
-    draws are never rewound), so code that draws on the CPU (rather than into the meta
-    stand-ins) changes nothing either.
+    Filled means written in place by an op (``normal_``, ``copy_``, ``w[0].zero_()``), handed
+    to an init function that is a no-op on meta (:func:`meta_noop_inits`), or replaced by
+    assignment (``self.cos = ...``; the stand-in is put back for the next step). The random
+    number generators are restored afterwards, so code that draws on the CPU (rather than
+    into the meta stand-ins) changes nothing either.
     """
     recorder = WriteRecorder()
-    with global_restored():
+    codes = meta_noop_inits()
+    with global_restored():  # under packedinit.rng.LOCK; a state nobody changed is not written back
         try:
-            with torch.no_grad(), recorder:
+            with torch.no_grad(), _calls_recorded(recorder.written, codes), recorder:
                 step()
         except Exception:  # arbitrary third-party init code on meta tensors: any failure means "unknown"
             return None
-    return [keys[k] for k in recorder.written if k in keys]
+        finally:
+            assigned = [(store, name, s, t) for store, name, s, t in stand_ins.slots if store.get(name) is not s]
+            for store, name, s, _ in assigned:
+                store[name] = s
+    filled = [stand_ins.keys[k] for k in recorder.written if k in stand_ins.keys]
+    seen = {id(t) for t in filled}
+    for *_, t in assigned:
+        if id(t) not in seen:
+            seen.add(id(t))
+            filled.append(t)
+    return filled
 
 
 # -- transformers, by class path -------------------------------------------------------------------
@@ -167,10 +247,16 @@ def retie(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def hf_flags_cleared(model: nn.Module) -> Iterator[None]:
-    """transformers' init functions skip tensors flagged ``_is_hf_initialized`` (loaded ones); unflag them meanwhile."""
-    flagged = [t for t in (*model.parameters(), *model.buffers()) if getattr(t, "_is_hf_initialized", False)]
+    """transformers skips what is flagged ``_is_hf_initialized`` (loaded tensors, initialised modules): unflag it.
+
+    The flag sits on tensors (``transformers.initialization``'s functions test it) and on
+    modules (``_initialize_weights`` skips a flagged module; ViTMAE's sin-cos position
+    embedding tests it on ``patch_embeddings.projection``).
+    """
+    things: list[object] = [*model.parameters(), *model.buffers(), *model.modules()]
+    flagged = [t for t in things if getattr(t, "_is_hf_initialized", False)]
     for t in flagged:
-        t._is_hf_initialized = False  # type: ignore[attr-defined]  # transformers' own flag on a tensor
+        t._is_hf_initialized = False  # type: ignore[attr-defined]  # transformers' own flag
     try:
         yield
     finally:
@@ -179,34 +265,53 @@ def hf_flags_cleared(model: nn.Module) -> Iterator[None]:
 
 
 # -- coverage report and DTensor stand-ins ---------------------------------------------------------
+def _has_own_init(m: nn.Module) -> bool:
+    return any(callable(getattr(m, name, None)) for name in ("reset_parameters", "_reset_parameters"))
+
+
 def uncovered_message(module: nn.Module, covered: set[int]) -> str | None:
-    """The error/warning text naming every parameter and buffer not in ``covered`` (ids), or None."""
+    """The error/warning text naming every parameter and buffer not in ``covered`` (ids), or None.
+
+    The fix it names follows the owner: a module without an init method is told to get a
+    ``reset_parameters()``; one whose method ran and left them is told that method misses them.
+    """
     params = [(n, p) for n, p in module.named_parameters() if id(p) not in covered]
     buffers = [(n, b) for n, b in module.named_buffers() if id(b) not in covered]
     if not params and not buffers:
         return None
 
-    def owner(name: str) -> str:
-        return type(module.get_submodule(name.rpartition(".")[0])).__name__
+    def owner_of(name: str) -> nn.Module:
+        return module.get_submodule(name.rpartition(".")[0])
 
     def shape(t: Tensor) -> str:
         return "(" + ", ".join(str(d) for d in t.shape) + (",)" if t.dim() == 1 else ")")
 
-    parts = [f"{n!r} (shape {shape(p)}, in {owner(n)})" for n, p in params]
+    parts = [f"{n!r} (shape {shape(p)}, in {type(owner_of(n)).__name__})" for n, p in params]
     persistent: set[str] = set()
     for prefix, m in module.named_modules():
         kept = (b for b in m._buffers if b not in m._non_persistent_buffers_set)
         persistent.update(f"{prefix}.{b}" if prefix else b for b in kept)
     parts += [
-        f"buffer {n!r} (shape {shape(b)}, {'persistent' if n in persistent else 'non-persistent'}, in {owner(n)})"
+        f"buffer {n!r} (shape {shape(b)}, {'persistent' if n in persistent else 'non-persistent'}, "
+        f"in {type(owner_of(n)).__name__})"
         for n, b in buffers
     ]
+    owners = {id(o): o for o in (owner_of(n) for n, _ in (*params, *buffers))}
+    with_method = sorted({type(o).__name__ for o in owners.values() if _has_own_init(o)})
+    without = sorted({type(o).__name__ for o in owners.values() if not _has_own_init(o)})
+    fixes = []
+    if without:
+        fixes.append(f"give {', '.join(without)} a reset_parameters() method that fills them (torch's convention)")
+    if with_method:
+        fixes.append(
+            f"make the reset_parameters() of {', '.join(with_method)} fill them too (it ran on meta stand-ins "
+            f"and wrote none of them)"
+        )
     return (
         f"reset_parameters({type(module).__name__}): no known init covers {len(params)} parameter(s) and "
         f"{len(buffers)} buffer(s): {', '.join(parts)}. Their values come from code packedinit cannot see "
-        f"(after to_empty they are uninitialised memory). Fix: give the module a reset_parameters() method that "
-        f"fills them (torch's convention), or pass strict=False to initialise everything else and fill these "
-        f"yourself."
+        f"(after to_empty they are uninitialised memory). Fix: {'; '.join(fixes)}, or pass strict=False to "
+        f"initialise everything else and fill these yourself."
     )
 
 

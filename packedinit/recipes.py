@@ -41,9 +41,11 @@ from .materialize import (
     tensor_holders,
     uncovered_message,
 )
+from .parametrized import check_writable, is_parametrized, run_unparametrized
 from .plan import InitSpec, Request
 from .rng import generator_as_default
 from .run import run
+from .ties import later_holders, without_later_ties
 from .traits import is_dtensor
 from .walk import init_tree, plan_requests, run_steps
 
@@ -77,7 +79,10 @@ def _check_generator(generator: object, where: str) -> torch.Generator | None:
 
 
 def _own_tensors(m: nn.Module) -> list[Tensor]:
-    return [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+    """``m``'s own parameters and buffers, the originals of its parametrized tensors included."""
+    held = m._modules.get("parametrizations")
+    extra = [*held.parameters(), *held.buffers()] if isinstance(held, nn.ModuleDict) else []
+    return [*m.parameters(recurse=False), *m.buffers(recurse=False), *extra]
 
 
 def reset_multihead_attention(m: nn.MultiheadAttention, generator: torch.Generator | None = None) -> None:
@@ -241,6 +246,10 @@ def _plan(module: nn.Module, gen: torch.Generator | None) -> list[_Step]:
             steps.append(_Step(m, functools.partial(_reset_hf_lstm, m, gen), False, list(m.parameters())))
             continue
         default = _default_step(m, gen)
+        if default is not None and is_parametrized(m):  # construction ran it before the parametrization came
+            check_writable(m)
+            run_plain = functools.partial(run_unparametrized, m, default.run)
+            default = _Step(m, run_plain, default.route, None, default.globalize)
         if default is not None:
             steps.append(default)
         if owner is not None and not isinstance(m, nn.MultiheadAttention):  # MHA: torch's own init, per block
@@ -252,12 +261,12 @@ def _plan(module: nn.Module, gen: torch.Generator | None) -> list[_Step]:
 
 def _dry_run_all(module: nn.Module, steps: list[_Step]) -> list[_Step]:
     """Fill in what each third-party step writes; drop a torch default that the model's own init overwrites."""
-    with meta_stand_ins(module) as keys:
+    with meta_stand_ins(module) as stand_ins, hf_flags_cleared(module):
         for step in steps:
             if step.covers is None:
-                written = dry_run(step.run, keys)
+                written = dry_run(step.run, stand_ins)
                 # init code that fails on meta tensors: trust the convention (a module initialises its own tensors)
-                step.covers = written if written is not None else _own_tensors(step.module)
+                step.covers = written if written is not None else stand_ins.originals(_own_tensors(step.module))
     kept: list[_Step] = []
     for i, step in enumerate(steps):
         later = steps[i + 1] if i + 1 < len(steps) else None
@@ -301,8 +310,16 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
       ``nn.MultiheadAttention`` and ``nn.LSTM`` defaults are run per block. Tied
       weights are tied again first (``tie_weights()``): ``to_empty`` unties them.
 
+    - a parametrized module (``weight_norm``, ``spectral_norm``, ``orthogonal``):
+      its own init on a plain stand-in of the unparametrised weight, the originals
+      written through ``right_inverse`` (see :mod:`packedinit.parametrized`).
+    - a Parameter several modules share (``lm_head.weight = wte.weight``): initialised
+      by its first holder; a later holder's init draws into scratch, as construction did
+      before the tie (use :func:`packedinit.to_empty` to keep plain ties).
+
     What each third-party init writes is found first, by running it on meta
-    stand-ins of the tensors (no memory, no random numbers). A parameter or buffer
+    stand-ins of the tensors (no memory, no random numbers; the ``torch.nn.init``
+    functions that return early on meta, and tensors assigned anew, count). A parameter or buffer
     that nothing writes (a custom module with a parameter and no
     ``reset_parameters``) is named in a ``PackedInitError`` before anything is
     written; with ``strict=False`` it is named in one warning and left as it is.
@@ -354,11 +371,14 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
             raise PackedInitError(message)
         warnings.warn(message.replace(" or pass strict=False to initialise everything else and", " or"), stacklevel=2)
     holders = tensor_holders(module)
+    later = later_holders(module)  # a tie's later holder (nanoGPT's lm_head) did not init the shared tensor
     with hf_flags_cleared(module):
         for step in steps:
             with contextlib.ExitStack() as stack:
                 if step.globalize:
                     globalize(stack, [t for t in (step.covers or ()) if is_dtensor(t)], holders)
+                else:
+                    stack.enter_context(without_later_ties(step.module, later))
                 if step.route and gen is not None:
                     stack.enter_context(generator_as_default(gen))  # under packedinit.rng.LOCK
                 step.run()

@@ -78,6 +78,8 @@ def test_whole_model_page_runs_as_written(whole_model_page: dict[str, Any]) -> N
     assert "True\nTrue\nloss " in out
     assert "no known init covers 1 parameter(s) and 0 buffer(s): '1.gain'" in out
     assert ns["gpt2"].lm_head.weight is ns["gpt2"].transformer.wte.weight
+    assert ns["lm"].lm_head.weight is ns["lm"].wte.weight  # a plain tie, kept by packedinit.to_empty
+    assert "['emb.weight']\n0.25\n" in out  # the construction-time kaiming_normal_, replayed
     assert _not_finite(ns["encoder"]) == []
     assert _not_finite(ns["llama"]) == []
 

@@ -117,7 +117,7 @@ def rnn_layouts(module: nn.Module) -> dict[str, Layout]:
     gates = gate_layout(m)
     if gates is None or gates.num_parts == 1:
         return {}
-    return {n: gates for n, _ in m.named_parameters(recurse=False) if not n.startswith("weight_hr")}
+    return {n: gates for n in _gate_params(m, m._flat_weights_names)}
 
 
 def rnn_cell_layouts(module: nn.Module) -> dict[str, Layout]:
@@ -132,7 +132,17 @@ def rnn_cell_layouts(module: nn.Module) -> dict[str, Layout]:
     gates = gate_layout(m)
     if gates is None or gates.num_parts == 1:
         return {}
-    return {n: gates for n, _ in m.named_parameters(recurse=False)}
+    return {n: gates for n in _gate_params(m, ["weight_ih", "weight_hh", "bias_ih", "bias_hh"])}
+
+
+def _gate_params(m: nn.RNNBase | nn.RNNCellBase, names: list[str]) -> list[str]:
+    """The names among torch's own gate tensors that ``m`` holds (a parametrized one included).
+
+    Only what torch itself creates is claimed: a subclass's extra Parameter (a learned ``h0``,
+    a gain) is one block, as any other parameter; ``weight_hr*`` (``proj_size``) is one matrix.
+    """
+    own = {*m._parameters, *getattr(m._modules.get("parametrizations"), "_modules", {})}
+    return [n for n in names if n in own and not n.startswith("weight_hr")]
 
 
 #: The torch.nn adapters, registered (in this order) on the registry's first use.
