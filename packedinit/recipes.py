@@ -28,6 +28,7 @@ from torch.nn.init import (
     zeros_,
 )
 
+from . import init_calls
 from .adapters.torch_nn import LSTM_GATES, QKV, gate_layout, gate_names
 from .errors import PackedInitError
 from .layout import Layout
@@ -376,7 +377,7 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
         warnings.warn(message.replace(" or pass strict=False to initialise everything else and", " or"), stacklevel=2)
     holders = tensor_holders(module)
     routed = _GeneratorAsDefault(gen) if gen is not None else None
-    with hf_flags_cleared(module):
+    with hf_flags_cleared(module), init_calls.acquire(module):  # the model's own init calls: packed ones per block
         for step in steps:
             with contextlib.ExitStack() as stack:
                 if step.globalize:

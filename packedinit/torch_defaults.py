@@ -26,6 +26,7 @@ from types import TracebackType
 import torch
 from torch import nn
 
+from . import init_calls
 from .errors import PackedInitError
 from .recipes import reset_multihead_attention, reset_transformer
 
@@ -102,14 +103,23 @@ class TorchDefaultsFix:
     returns or raises.
     """
 
-    __slots__ = ("_on",)
+    __slots__ = ("_calls", "_on")
 
-    def __init__(self) -> None:
+    def __init__(self, *models: nn.Module) -> None:
         global _active
         self._on = False
+        for m in models:
+            if not isinstance(m, nn.Module):
+                raise PackedInitError(f"fix_torch_defaults(*models) takes nn.Module instances, got {type(m).__name__}.")
         with _lock:
             if _active == 0:
                 _install()
+            try:
+                self._calls = init_calls.acquire(*models)
+            except BaseException:
+                if _active == 0:
+                    _restore()
+                raise
             _active += 1
             self._on = True
 
@@ -125,6 +135,7 @@ class TorchDefaultsFix:
             if not self._on:
                 return
             self._on = False
+            self._calls.release()
             _active -= 1
             if _active == 0:
                 _restore()
@@ -146,7 +157,7 @@ class TorchDefaultsFix:
         return f"<packedinit.fix_torch_defaults handle: {'on' if self._on else 'undone'}>"
 
 
-def fix_torch_defaults() -> TorchDefaultsFix:
+def fix_torch_defaults(*models: nn.Module) -> TorchDefaultsFix:
     r"""From this call on, torch's own construction initialises packed parameters per block.
 
     Replaces, for the whole process, ``nn.MultiheadAttention._reset_parameters`` (run
@@ -212,7 +223,7 @@ def fix_torch_defaults() -> TorchDefaultsFix:
         >>> torch_defaults_fixed()
         False
     """
-    return TorchDefaultsFix()
+    return TorchDefaultsFix(*models)
 
 
 def torch_defaults_fixed() -> bool:
