@@ -156,7 +156,9 @@ def test_single_block_storage_is_counted_and_worded_apart() -> None:
     p = rep["transformer.h.0.mlp.c_fc.weight"]
     assert not p.multi_block
     assert p.verdict == "undecided"  # kaiming_in on the stored tensor == kaiming_out per block: cannot tell
-    assert p.detail == "undecided: fits packed kaiming_in and per-block kaiming_out"
+    assert p.detail == (
+        "undecided: fits packed kaiming_in and per-block kaiming_out (indistinguishable: the same distribution here)"
+    )
     assert rep.affected == ()
     assert "6 single-block stored transposed or batched (5 fan-independent, 1 undecided)" in rep.summary()
     torch.manual_seed(3)
