@@ -112,9 +112,11 @@ def test_annotate_line_pastes_and_an_affected_init_is_reported() -> None:
     assert rep.affected == ("attn.qkv.weight",)
     assert "AFFECTED" in str(rep)
     assert rep.answer().startswith(
-        "affected: 1 packed parameter initialised whole (attn.qkv.weight); fix: annotate the parameters marked "
-        "'looks packed' (lines above), then packedinit.chunked(torch.nn.init.xavier_uniform_)(model)"
+        f"affected: 1 packed parameter initialised whole (attn.qkv.weight); fix: {s.annotate}; "
+        "packedinit.init_model(model, torch.nn.init.xavier_uniform_, params=['attn.qkv.weight'])"
     )
+    assert rep.fix() is not None
+    assert rep.fix().startswith(s.annotate)  # type: ignore[union-attr]  # checked just above
     exec(s.annotate, {"packedinit": packedinit, "model": model})  # the ready-to-paste line
     rep = audit(model)
     assert "attn.qkv.weight" in rep  # now described: audited as a packed parameter

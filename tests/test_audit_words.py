@@ -139,7 +139,9 @@ def test_answer_fix_for_a_user_init_works_lstm() -> None:
     rep = audit(lstm)
     assert rep.affected == ("weight_ih_l0", "weight_hh_l0")
     assert rep["weight_ih_l0"].fns == ("xavier_normal_",)  # the kurtosis says normal, not uniform
-    assert rep.fix() == "packedinit.chunked(torch.nn.init.xavier_normal_)(model)"
+    assert rep.fix() == (
+        "packedinit.init_model(model, torch.nn.init.xavier_normal_, params=['weight_ih_l0', 'weight_hh_l0'])"
+    )
     assert rep.answer().startswith("affected: 2 packed parameters initialised whole (weight_ih_l0, weight_hh_l0)")
     _fix(rep, lstm)
     after = audit(lstm)
@@ -170,7 +172,9 @@ def test_single_block_storage_is_counted_and_worded_apart() -> None:
     assert not q.multi_block
     assert q.detail.startswith("packed (the init ran on the stored shape, not the logical one): xavier")
     assert rep.affected == ("model.layers.0.mlp.experts.down_proj",)
-    assert rep.fix() == "packedinit.chunked(torch.nn.init.xavier_uniform_)(model)"
+    assert rep.fix() == (
+        "packedinit.init_model(model, torch.nn.init.xavier_uniform_, params=['model.layers.0.mlp.experts.down_proj'])"
+    )
 
 
 def test_fix_keeps_a_users_own_init_on_mha_and_mixed_blocks() -> None:
@@ -179,7 +183,7 @@ def test_fix_keeps_a_users_own_init_on_mha_and_mixed_blocks() -> None:
     init.orthogonal_(mha.in_proj_weight)  # the user's init, on the packed tensor: not torch's default
     rep = audit(mha)
     assert rep["in_proj_weight"].matches == ("orthogonal",)
-    assert rep.fix() == "packedinit.chunked(torch.nn.init.orthogonal_)(model)"
+    assert rep.fix() == "packedinit.init_model(model, torch.nn.init.orthogonal_, params=['in_proj_weight'])"
     init.xavier_uniform_(mha.in_proj_weight)
     with torch.no_grad():  # q re-initialised on its own with normal(0, 0.02): per block; k, v still packed
         mha.in_proj_weight[:64].normal_(0, 0.02)
