@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -248,15 +249,12 @@ def _fix_call(report: AuditReport) -> str:
     """The statement that re-initialises exactly the affected parameters per block, with the init they had.
 
     Looks-packed parameters are annotated first (the guessed layout). Every other parameter keeps
-    its values: the call names the affected parameters (``init_model(..., params=[...])``). Only
-    torch's own MultiheadAttention default (xavier on ``in_proj_weight``) gets
-    ``reset_parameters(model)``, which re-runs every module's own init (the model's own
-    ``_init_weights`` included) with packed blocks per block.
+    its values: the call names the affected parameters (``init_model(..., params=[...])``), so a
+    model whose own init is not torch's default (DETR's xavier everywhere, a transformers
+    ``_init_weights``) keeps it everywhere else.
     """
     hit = [p for p in report.params if p.affected] + [s.audit for s in report.suspects if s.affected]
     notes = [s.annotate for s in report.suspects if s.affected]
-    if not notes and all(p.module == "MultiheadAttention" and "xavier_uniform_" in p.fns for p in hit):
-        return "packedinit.reset_parameters(model)"
     groups: dict[str, list[str]] = {}
     for p in hit:
         groups.setdefault(_init_call(report, p), []).append(p.name)
@@ -380,7 +378,7 @@ class AuditReport:
         Examples:
             >>> import torch, packedinit
             >>> print(packedinit.audit(torch.nn.MultiheadAttention(64, 4)).answer())
-            affected: 1 packed parameter initialised whole (in_proj_weight); fix: packedinit.reset_parameters(model)
+            affected: 1 packed parameter initialised whole (in_proj_weight); fix: packedinit.init_model(model, ...
             >>> print(packedinit.audit(torch.nn.MultiheadAttention(64, 4, device="meta")).answer())
             cannot tell: 1 packed parameter(s) have no values to measure (in_proj_weight: meta tensor: ...
         """
@@ -536,5 +534,8 @@ def render(report: AuditReport, *, reference: str | None = None) -> str:
             lines.append(f"    init in use: {s.audit.detail} -> {state}")
             lines.append(f"    {s.annotate}")
     lines.append("")
-    lines.append(f"answer: {report.answer()}")
+    answer = textwrap.fill(
+        f"answer: {report.answer()}", width=118, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False
+    )
+    lines.append(answer)
     return "\n".join(lines)

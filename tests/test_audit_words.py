@@ -122,10 +122,12 @@ def test_answer_names_count_and_a_fix_that_works_mha() -> None:
     model = nn.ModuleDict({"a": nn.MultiheadAttention(64, 4), "b": nn.MultiheadAttention(64, 4)})
     rep = audit(model)
     assert rep.affected == ("a.in_proj_weight", "b.in_proj_weight")
-    last = str(rep).splitlines()[-1]
+    assert " ".join(str(rep).partition("\nanswer: ")[2].split()) == rep.answer()  # the table ends with it, wrapped
+    last = "answer: " + rep.answer()
     assert last == (
         "answer: affected: 2 packed parameters initialised whole (a.in_proj_weight, b.in_proj_weight); "
-        "fix: packedinit.reset_parameters(model)"
+        "fix: packedinit.init_model(model, torch.nn.init.xavier_uniform_, params=['a.in_proj_weight', "
+        "'b.in_proj_weight'])"
     )
     _fix(rep, model)
     assert audit(model).affected == ()
