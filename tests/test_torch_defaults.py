@@ -557,3 +557,7 @@ def test_docs_page_code_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert "per-block: True" in out
     assert "torch's default again: True" in out
     assert "fixed now: False" in out
+    shown = re.findall(r"^# (\w+: \S+ block std \d\.\d{4} -> \d\.\d{4})", PAGE.read_text(), flags=re.MULTILINE)
+    assert len(shown) == 6  # SigLIP, Mask2Former, Encodec, DETR-, MAE-, cleanrl-style
+    for line in shown:
+        assert line in out  # the stds the page shows are the ones its code prints
