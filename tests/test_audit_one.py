@@ -171,3 +171,13 @@ def test_a_block_of_only_nan_cannot_tell() -> None:
     assert rep["in_proj_weight"].verdict == "unmeasured"
     assert rep["in_proj_weight"].detail == "unmeasured: every value is nan or inf"
     assert rep.answer().startswith("cannot tell")
+
+
+def test_the_audit_page_shows_what_its_fix_example_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    page = (Path(__file__).resolve().parent.parent / "docs" / "pages" / "audit.md").read_text()
+    section = page.partition("## Every printed fix works")[2].partition("\n## ")[0]
+    code = section.partition("```python\n")[2].partition("```")[0]
+    shown = section.partition("```text\n")[2].partition("```")[0]
+    exec(compile(code, "audit.md", "exec"), {"__name__": "__docs__"})  # our own page's example
+    assert shown.count("\n") == 4
+    assert capsys.readouterr().out == shown
