@@ -322,6 +322,9 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
       ``inv_freq`` hold); a nested ``PreTrainedModel`` uses its own. Its
       ``nn.MultiheadAttention`` and ``nn.LSTM`` defaults are run per block. Tied
       weights are tied again first (``tie_weights()``): ``to_empty`` unties them.
+    - while any of these runs, every fan-dependent ``torch.nn.init`` call it makes on a
+      packed parameter of ``module`` runs per block (:mod:`packedinit.init_calls`): the
+      model's own init (SigLIP's pooling head, Mask2Former), with its packed blocks per block.
 
     What each third-party init writes is found first, by running it on meta
     stand-ins of the tensors (no memory, no random numbers). A parameter or buffer
