@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import sys
@@ -51,9 +52,7 @@ NANOGPT = textwrap.dedent(
 def nanogpt_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     (tmp_path / "i17_nanogpt.py").write_text(NANOGPT)
     monkeypatch.syspath_prepend(str(tmp_path))
-    import i17_nanogpt  # type: ignore[import-not-found]  # written just above
-
-    yield i17_nanogpt
+    yield importlib.import_module("i17_nanogpt")  # written just above
     sys.modules.pop("i17_nanogpt", None)
 
 
