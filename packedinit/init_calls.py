@@ -32,7 +32,11 @@ not the Parameter itself (``p.data``, ``p[:]``, a float32 copy such as transform
 - a packed parameter of a model handed to :func:`acquire` (``fix_torch_defaults(model)``,
   ``reset_parameters(model)``), for as long as that handle holds.
 
-The records hold Parameters and modules weakly: nothing is kept alive.
+The records hold Parameters and modules weakly: nothing is kept alive. Two global module
+registration hooks (torch's ``register_module_parameter_registration_hook`` and
+``register_module_module_registration_hook``) are installed on the first use and kept, doing
+nothing while no handle holds the interception: adding or removing a global hook while another
+thread constructs a module could break that thread's construction.
 """
 
 from __future__ import annotations
@@ -143,13 +147,13 @@ _WRAPPERS: dict[str, Callable[..., Tensor]] = {name: _wrapper(name, fn) for name
 
 
 def _on_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-    if param is not None and lookup(type(module)) is not None:
+    if _active > 0 and param is not None and lookup(type(module)) is not None:
         with _lock:
             _built[param] = (weakref.ref(module), name)
 
 
 def _on_module(module: nn.Module, name: str, child: nn.Module | None) -> None:
-    if child is not None and lookup(type(module)) is not None:
+    if _active > 0 and child is not None and lookup(type(module)) is not None:
         ref = weakref.ref(module)
         with _lock:
             for pname, p in child.named_parameters():
@@ -172,9 +176,11 @@ def _install() -> None:
     table = getattr(hf, _HF_TABLE, None) if hf is not None else None
     if isinstance(table, dict):
         _replace(table)
-    mm = torch.nn.modules.module
-    _hooks.append(mm.register_module_parameter_registration_hook(_on_parameter))
-    _hooks.append(mm.register_module_module_registration_hook(_on_module))
+    if not _hooks:  # installed once and kept (inert while off): adding or removing a global hook while
+        # another thread registers a parameter would change the dict torch is iterating over
+        mm = torch.nn.modules.module
+        _hooks.append(mm.register_module_parameter_registration_hook(_on_parameter))
+        _hooks.append(mm.register_module_module_registration_hook(_on_module))
 
 
 def _restore() -> None:
@@ -182,9 +188,6 @@ def _restore() -> None:
         if container.get(name) is wrapper:  # another patcher on top keeps its own; ours then passes through
             container[name] = torch_fn
     _patched.clear()
-    for h in _hooks:
-        h.remove()
-    _hooks.clear()
 
 
 class Interception:

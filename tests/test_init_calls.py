@@ -294,6 +294,37 @@ def test_threads_taking_and_giving_back_the_fix_leave_torch_as_it_was() -> None:
     assert errors == []
 
 
+def test_construction_in_other_threads_survives_the_fix_turning_on_and_off() -> None:
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def build() -> None:
+        try:
+            while not stop.is_set():
+                nn.Sequential(nn.Linear(4, 4), nn.LSTM(4, 4))
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    def toggle() -> None:
+        try:
+            for _ in range(50):
+                with fix_torch_defaults():
+                    nn.MultiheadAttention(8, 2)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    builders = [threading.Thread(target=build) for _ in range(2)]
+    togglers = [threading.Thread(target=toggle) for _ in range(2)]
+    for t in (*builders, *togglers):
+        t.start()
+    for t in togglers:
+        t.join()
+    stop.set()
+    for t in builders:
+        t.join()
+    assert errors == []
+
+
 def test_nothing_built_under_the_fix_is_kept_alive() -> None:
     with fix_torch_defaults():
         m = nn.LSTM(4, 8)
