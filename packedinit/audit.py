@@ -72,16 +72,30 @@ def _unmeasured_reason(t: Tensor) -> str | None:
     return None
 
 
-_NON_FINITE = "unknown: non-finite values (nan or inf), no statistics"
+_NON_FINITE = "unmeasured: every value is nan or inf"
+_OVERFLOW = "unknown: values too large for statistics (their moments overflow)"
+
+
+def _measure(view: Tensor) -> tuple[Moments | None, int]:
+    """The block's moments, measured around nan/inf values (a copy of the finite ones, only then), and their count."""
+    m = moments(view)
+    if m.finite:
+        return m, 0
+    keep = torch.isfinite(view)
+    bad = int(view.numel() - int(keep.sum()))
+    if bad == 0:  # finite values whose moments overflow (huge magnitudes): nothing to leave out
+        return m, 0
+    finite = view[keep]
+    return (moments(finite) if finite.numel() > 0 else None), bad
 
 
 def _judge_block(
-    m: Moments | None, block: LogicalBlock, shape: tuple[int, ...], refs: Sequence[Reference]
+    m: Moments | None, block: LogicalBlock, shape: tuple[int, ...], refs: Sequence[Reference], bad: int = 0
 ) -> Judgement:
     if m is None:
-        return Judgement("unmeasured", (), "unmeasured")
+        return Judgement("unmeasured", (), _NON_FINITE if bad else "unmeasured")
     if not m.finite:
-        return Judgement("unknown", (), _NON_FINITE)
+        return Judgement("unknown", (), _OVERFLOW)
     if m.std == 0.0:
         return Judgement("constant", (), f"constant ({m.mean:.4g})")
     if block.fan_in is None:
@@ -92,9 +106,10 @@ def _judge_block(
 def _param_verdict(blocks: Sequence[BlockAudit], shape: tuple[int, ...], refs: Sequence[Reference]) -> Judgement:
     kinds = {b.verdict for b in blocks}
     if "unmeasured" in kinds or not blocks:
-        return Judgement("unmeasured", (), "unmeasured")
-    if any(b.detail == _NON_FINITE for b in blocks):
-        return Judgement("unknown", (), _NON_FINITE)
+        all_bad = any(b.detail == _NON_FINITE for b in blocks)
+        return Judgement("unmeasured", (), _NON_FINITE if all_bad else "unmeasured")
+    if any(b.detail == _OVERFLOW for b in blocks):
+        return Judgement("unknown", (), _OVERFLOW)
     informative = [b for b in blocks if b.verdict not in ("constant", "n/a")]
     if not informative:
         if kinds == {"constant"}:
@@ -118,10 +133,12 @@ def _audit_one(
     shape = tuple(int(s) for s in t.shape)
     reason = _unmeasured_reason(t)
     blocks: list[BlockAudit] = []
+    non_finite = 0
     for b in layout.blocks(shape, param=name):
-        m = moments(layout.storage_view(t, b)) if reason is None and b.numel > 0 else None
+        m, bad = _measure(layout.storage_view(t, b)) if reason is None and b.numel > 0 else (None, 0)
+        non_finite += bad
         expected = tuple(ExpectedStd(r.name, r.std(tuple(b.shape)), r.std(shape)) for r in refs)
-        j = _judge_block(m, b, shape, refs)
+        j = _judge_block(m, b, shape, refs, bad)
         kurt = m.kurtosis if m is not None else None
         blocks.append(
             BlockAudit(
@@ -158,8 +175,9 @@ def _audit_one(
         verdict=j.verdict,
         matches=j.matches,
         detail=detail,
-        note=reason,
+        note=reason or (f"{non_finite} nan/inf value(s) left out of the statistics" if non_finite else None),
         module=module,
+        non_finite=non_finite,
         decided_by=j.decided_by,
         fns=j.fns,
         context=tuple(r for r in refs if r not in DEFAULT_REFERENCES),

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .audit_stats import DEFAULT_REFERENCES, TOL_FLOOR, ExpectedStd, Reference, Z
-from .audit_verdict import Verdict
+from .audit_verdict import UNDECIDED_ALIKE, Verdict
 from .layout import Layout, fmt_shape
 
 __all__ = ["AuditReport", "BlockAudit", "ParamAudit", "Suspect", "compact", "json_safe", "render"]
@@ -135,6 +136,7 @@ class ParamAudit:
         fns: the ``torch.nn.init`` functions whose distribution fits a ``packed`` verdict.
         context: references added for this parameter (its module's own default, the model config's
             ``initializer_range``), on top of the report's ``references``.
+        non_finite: how many values are nan or inf (left out of the statistics).
     """
 
     name: str
@@ -152,6 +154,7 @@ class ParamAudit:
     decided_by: tuple[str, ...] = ()
     fns: tuple[str, ...] = ()
     context: tuple[Reference, ...] = ()
+    non_finite: int = 0
 
     @property
     def multi_block(self) -> bool:
@@ -191,6 +194,7 @@ class ParamAudit:
                     "detail": self.detail,
                     "decided_by": list(self.decided_by),
                     "note": self.note,
+                    "non_finite": self.non_finite,
                     "context": {r.name: r.describe() for r in self.context},
                     "blocks": [b.to_dict() for b in self.blocks],
                 }
@@ -232,18 +236,33 @@ class Suspect:
         }
 
 
-def _fix_call(report: AuditReport) -> str:
-    """The one call that re-initialises the affected parameters per block."""
-    hit = [p for p in report.params if p.affected] + [s.audit for s in report.suspects if s.affected]
-    if all(p.module == "MultiheadAttention" and "xavier_uniform_" in p.fns for p in hit):
-        # torch's own packed default (xavier_uniform_ on in_proj_weight): re-run the defaults per block
-        return "packedinit.reset_parameters(model)"
-    p = hit[0]
+def _init_call(report: AuditReport, p: ParamAudit) -> str:
+    """``torch.nn.init.<fn>`` and its keywords (``, mode='fan_out'``) that the packed values of ``p`` fit."""
     refs = {r.name: r for r in (*report.references, *p.context)}
     ref = refs.get(p.matches[0]) if p.matches else None
     fn = p.fns[0] if p.fns else (ref.fn if ref is not None else "xavier_uniform_")
     kw = "".join(f", {k}={v!r}" for k, v in ref.kwargs) if ref is not None else ""
-    return f"packedinit.chunked(torch.nn.init.{fn})(model{kw})"
+    return f"torch.nn.init.{fn}{kw}"
+
+
+def _fix_call(report: AuditReport) -> str:
+    """The statement that re-initialises exactly the affected parameters per block, with the init they had.
+
+    Looks-packed parameters are annotated first (the guessed layout). Every other parameter keeps
+    its values: the call names the affected parameters (``init_model(..., params=[...])``), so a
+    model whose own init is not torch's default (DETR's xavier everywhere, a transformers
+    ``_init_weights``) keeps it everywhere else.
+    """
+    hit = [p for p in report.params if p.affected] + [s.audit for s in report.suspects if s.affected]
+    notes = [s.annotate for s in report.suspects if s.affected]
+    groups: dict[str, list[str]] = {}
+    for p in hit:
+        groups.setdefault(_init_call(report, p), []).append(p.name)
+    calls = []
+    for call, names in groups.items():
+        fn, _, kw = call.partition(", ")
+        calls.append(f"packedinit.init_model(model, {fn}, params={names!r}{', ' + kw if kw else ''})")
+    return "; ".join([*notes, *calls])
 
 
 @dataclass(frozen=True)
@@ -342,40 +361,70 @@ class AuditReport:
         """The one call that fixes the affected parameters (``None`` when nothing is affected)."""
         return _fix_call(self) if self.affected else None
 
+    @property
+    def cannot_tell(self) -> tuple[str, ...]:
+        """Names of the packed (or looks-packed) parameters with no values to measure: meta tensors,
+        sharded DTensors, integer or quantised dtypes, every value nan/inf (verdict ``unmeasured``)."""
+        return tuple(
+            p.name for p in self._all() if p.verdict == "unmeasured" and any(b.fan_in is not None for b in p.blocks)
+        )
+
+    @property
+    def non_finite(self) -> tuple[str, ...]:
+        """Names of the audited parameters holding nan or inf (measured around those values)."""
+        return tuple(p.name for p in self._all() if p.non_finite)
+
+    def _all(self) -> tuple[ParamAudit, ...]:
+        return (*self.params, *(s.audit for s in self.suspects))
+
     def answer(self) -> str:
-        """The one-line answer: affected or not, how many parameters, the call that fixes it.
+        """The one-line answer: affected, cannot tell, or not affected; how many parameters; the fix.
 
         Examples:
             >>> import torch, packedinit
             >>> print(packedinit.audit(torch.nn.MultiheadAttention(64, 4)).answer())
-            affected: 1 packed parameter initialised whole (in_proj_weight); fix: packedinit.reset_parameters(model)
+            affected: 1 packed parameter initialised whole (in_proj_weight); fix: packedinit.init_model(model, ...
+            >>> print(packedinit.audit(torch.nn.MultiheadAttention(64, 4, device="meta")).answer())
+            cannot tell: 1 packed parameter(s) have no values to measure (in_proj_weight: meta tensor: ...
         """
         hit = self.affected
         looks = [s for s in self.suspects if not s.affected]
         tail = ""
+        nf = self.non_finite
+        if nf:
+            tail += f"; {len(nf)} parameter(s) hold nan/inf ({_names(nf)}): measured around those values"
         if looks:
-            tail = (
+            tail += (
                 f"; {len(looks)} parameter(s) look packed but their current init is not affected"
                 " (annotate them, lines above, before you re-initialise)"
             )
+        blind = self.cannot_tell
+        notes = {p.name: p.note or "no values" for p in self._all() if p.verdict == "unmeasured"}
+        why = "; ".join(f"{n}: {notes[n]}" for n in blind[:3])
+        why += f"; and {len(blind) - 3} more" if len(blind) > 3 else ""
         if hit:
-            names = ", ".join(hit[:3]) + (f" and {len(hit) - 3} more" if len(hit) > 3 else "")
-            pre = (
-                "annotate the parameters marked 'looks packed' (lines above), then "
-                if any(s.affected for s in self.suspects)
-                else ""
-            )
             word = "parameter" if len(hit) == 1 else "parameters"
-            return f"affected: {len(hit)} packed {word} initialised whole ({names}); fix: {pre}{self.fix()}{tail}"
+            also = f"; cannot tell for {len(blind)} more ({why})" if blind else ""
+            head = f"affected: {len(hit)} packed {word} initialised whole ({_names(hit)})"
+            return f"{head}; fix: {self.fix()}{also}{tail}"
+        if blind:
+            return (
+                f"cannot tell: {len(blind)} packed parameter(s) have no values to measure "
+                f"({why}); audit the model with its values (materialised, in a float dtype){tail}"
+            )
         checked = len(self.params)
-        und = self.undecided
         text = (
             f"not affected: none of {checked} packed parameter(s) was initialised whole"
             if checked
             else "not affected: no packed parameters"
         )
+        und = [p for p in self.params if p.verdict == "undecided"]
         if und:
-            text += f" ({len(und)} undecided: too few values to tell)"
+            few = sum("too few values" in p.detail for p in und)
+            reasons = [f"{few} too few values to tell"] if few else []
+            if len(und) - few:
+                reasons.append(f"{len(und) - few} {UNDECIDED_ALIKE}")
+            text += f" ({len(und)} undecided: {', '.join(reasons)})"
         return text + "; nothing to fix" + tail
 
     def to_dict(self) -> dict[str, Any]:
@@ -387,6 +436,7 @@ class AuditReport:
                     "summary": self.summary(),
                     "answer": self.answer(),
                     "affected": list(self.affected),
+                    "cannot_tell": list(self.cannot_tell),
                     "fix": self.fix(),
                     "counts": self.counts(),
                     "storage": {
@@ -416,6 +466,10 @@ class AuditReport:
 
     def __str__(self) -> str:
         return render(self)
+
+
+def _names(names: tuple[str, ...]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def _fmt(x: float | None, width: int = 8) -> str:
@@ -469,7 +523,9 @@ def render(report: AuditReport, *, reference: str | None = None) -> str:
         f"fit: |ln(std / expected)| <= max({report.z:g} * sqrt((kurtosis - 1) / 4n), {report.tolerance_floor:g}); "
         f"kurtosis {report.z:g} s.e.; uniform: max|w| at bound"
     )
-    if not report.params:
+    if not report.params and report.suspects:
+        lines.append("no adapter or annotation describes a packed parameter; some look packed (below).")
+    elif not report.params:
         lines.append("no packed parameters found: per-tensor init is already per block.")
     for p in report.params:
         lines.append("")
@@ -483,5 +539,8 @@ def render(report: AuditReport, *, reference: str | None = None) -> str:
             lines.append(f"    init in use: {s.audit.detail} -> {state}")
             lines.append(f"    {s.annotate}")
     lines.append("")
-    lines.append(f"answer: {report.answer()}")
+    answer = textwrap.fill(
+        f"answer: {report.answer()}", width=118, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False
+    )
+    lines.append(answer)
     return "\n".join(lines)

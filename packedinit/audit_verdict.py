@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 from .audit_stats import (
@@ -34,7 +34,7 @@ from .audit_stats import (
     tolerance,
 )
 
-__all__ = ["Judgement", "Sample", "Verdict", "judge"]
+__all__ = ["Judgement", "Sample", "Verdict", "judge", "UNDECIDED_ALIKE"]
 
 #: A block's (or parameter's) verdict.
 #:
@@ -175,89 +175,141 @@ def _label(ref: Reference) -> str:
     return f"{ref.name} ({ref.note})" if ref.note and ref.fan_independent else ref.name
 
 
+@dataclass
+class _Hypotheses:
+    """Every reference sorted by what the samples fit: the input of each hypothesis's rule."""
+
+    fan_indep: list[_Fit] = field(default_factory=list)
+    same: list[_Fit] = field(default_factory=list)  # fan-based, but this packing does not change it
+    per_block: list[_Fit] = field(default_factory=list)
+    packed: list[_Fit] = field(default_factory=list)
+    noisy: list[_Fit] = field(default_factory=list)  # fits, but per-block and packed are too close to tell
+    rivals_of_packed: list[_Fit] = field(default_factory=list)
+    rivals_of_rest: list[_Fit] = field(default_factory=list)
+    ratios: dict[str, list[float]] = field(default_factory=dict)
+    near: list[tuple[float, str, str, float]] = field(default_factory=list)
+
+    @property
+    def others(self) -> list[_Fit]:
+        """Every non-packed hypothesis that fits."""
+        return self.fan_indep + self.same + self.per_block + self.noisy
+
+
+def _sort_ref(h: _Hypotheses, ref: Reference, samples: Sequence[Sample], total: int, tol: float) -> None:
+    """Test ``ref`` per block and packed on ``samples``; file the fits into ``h``."""
+    sb_ = [ref.std(x.block_shape) for x in samples]
+    sp_ = [ref.std(x.packed_shape) for x in samples]
+    sb = [s for s in sb_ if s is not None and s > 0]
+    sp = [s for s in sp_ if s is not None and s > 0]
+    if len(sb) != len(samples) or len(sp) != len(samples):
+        return
+    gaps = [abs(math.log(b / p)) for b, p in zip(sb, sp, strict=True)]
+    fb = _fit(ref, samples, packed=False)
+    h.near.append((abs(fb.mean_log), "" if ref.fan_independent else "per-block ", ref.name, math.exp(fb.mean_log)))
+    if max(gaps) <= 1e-9:  # packing does not change this reference's std
+        if not fb.fits:
+            h.rivals_of_packed.append(fb)
+        else:
+            (h.fan_indep if ref.fan_independent else h.same).append(fb)
+        return
+    fp = _fit(ref, samples, packed=True)
+    h.near.append((abs(fp.mean_log), "packed ", ref.name, math.exp(fp.mean_log)))
+    gap = sum(x.n / total * g for x, g in zip(samples, gaps, strict=True))
+    if gap <= 2 * tol:
+        if fb.fits or fp.fits:
+            h.noisy.append(fb if fb.fits else fp)
+        return
+    (h.per_block if fb.fits else h.rivals_of_packed).append(fb)
+    if fp.fits:
+        h.packed.append(fp)
+        h.ratios[ref.name] = [b / p for b, p in zip(sb, sp, strict=True)]
+    else:
+        h.rivals_of_rest.append(fp)
+
+
+def _packed(h: _Hypotheses) -> Judgement | None:
+    """``packed``: only whole-tensor hypotheses fit."""
+    if not h.packed or h.others:
+        return None
+    names = tuple(f.ref.name for f in h.packed)
+    fns = tuple(fn for f in h.packed for fn in f.fns)
+    by = _signals(h.rivals_of_packed)
+    ratio = _fmt_ratios(h.ratios[names[0]])
+    return Judgement("packed", names, f"packed: {', '.join(names)} (per-block std would be {ratio}){_by(by)}", by, fns)
+
+
+def _packed_or_not(h: _Hypotheses) -> Judgement | None:
+    """``undecided``: a packed hypothesis fits, and so does another one."""
+    if not h.packed:
+        return None
+    parts = [
+        *(f"packed {f.ref.name}" for f in h.packed),
+        *(f"per-block {f.ref.name}" for f in h.per_block),
+        *(_label(f.ref) for f in (*h.fan_indep, *h.same)),
+        *(f"{f.ref.name} (per-block or packed: too few values)" for f in h.noisy),
+    ]
+    why = "too few values to tell" if not (h.per_block or h.fan_indep or h.same) else UNDECIDED_ALIKE
+    return Judgement("undecided", tuple(parts), f"undecided: fits {' and '.join(parts)} ({why})")
+
+
+def _per_block(h: _Hypotheses) -> Judgement | None:
+    """``per-block``: a fan-based reference fits per block (or one this packing does not change)."""
+    if not (h.per_block or (h.same and not h.fan_indep)):
+        return None
+    by = _signals(h.rivals_of_rest)
+    names = tuple(f.ref.name for f in (*h.per_block, *h.same))
+    extra = " (packing does not change it here)" if h.same and not h.per_block else ""
+    return Judgement("per-block", names, f"per-block: {', '.join(names)}{extra}{_by(by)}", by)
+
+
+def _fan_independent(h: _Hypotheses) -> Judgement | None:
+    """``fan-independent``: only inits whose std reads no fans fit."""
+    if not h.fan_indep:
+        return None
+    by = _signals(h.rivals_of_rest)
+    names = tuple(f.ref.name for f in (*h.fan_indep, *h.same))
+    labels = ", ".join(_label(f.ref) for f in h.fan_indep)
+    also = f" (also fits {', '.join(f.ref.name for f in h.same)})" if h.same else ""
+    return Judgement(
+        "fan-independent", names, f"fan-independent: {labels}{also}; packing does not change it{_by(by)}", by
+    )
+
+
+def _too_few(h: _Hypotheses) -> Judgement | None:
+    """``undecided``: a reference fits, but its per-block and packed stds are too close for this many values."""
+    if not h.noisy:
+        return None
+    names = tuple(f.ref.name for f in h.noisy)
+    return Judgement("undecided", names, f"undecided: {', '.join(names)} (too few values to tell)")
+
+
+def _unknown(h: _Hypotheses) -> Judgement:
+    if not h.near:
+        return Judgement("unknown", (), "unknown (no reference applies)")
+    _, kind, ref_name, r = min(h.near)
+    return Judgement("unknown", (), f"unknown: fits no reference (nearest: {kind}{ref_name}, std {r:.2f}x)")
+
+
+#: The words of an ``undecided`` verdict whose hypotheses give the same distribution (not a matter of size).
+UNDECIDED_ALIKE = "indistinguishable: the same distribution here"
+_RULES = (_packed, _packed_or_not, _per_block, _fan_independent, _too_few)
+
+
 def judge(samples: Sequence[Sample], refs: Sequence[Reference]) -> Judgement:
-    """The verdict for one block, or for a parameter's blocks pooled (see the module docstring)."""
+    """The verdict for one block, or for a parameter's blocks pooled (see the module docstring).
+
+    Each reference is filed by what the samples fit; then the rules are asked in order
+    (packed, packed-or-not, per-block, fan-independent, too few values), the first that
+    applies gives the verdict, and ``unknown`` when none does.
+    """
     total = sum(x.n for x in samples)
     kappa = sum(x.n * x.kurtosis for x in samples) / total
     tol = tolerance(total, kappa)
-    fan_indep: list[_Fit] = []
-    same: list[_Fit] = []  # fan-based, but this packing does not change it
-    per_block: list[_Fit] = []
-    packed: list[_Fit] = []
-    noisy: list[_Fit] = []
-    rivals_of_packed: list[_Fit] = []
-    rivals_of_rest: list[_Fit] = []
-    ratios: dict[str, list[float]] = {}
-    near: list[tuple[float, str, str, float]] = []
+    h = _Hypotheses()
     for ref in refs:
-        sb_ = [ref.std(x.block_shape) for x in samples]
-        sp_ = [ref.std(x.packed_shape) for x in samples]
-        sb = [s for s in sb_ if s is not None and s > 0]
-        sp = [s for s in sp_ if s is not None and s > 0]
-        if len(sb) != len(samples) or len(sp) != len(samples):
-            continue
-        gaps = [abs(math.log(b / p)) for b, p in zip(sb, sp, strict=True)]
-        fb = _fit(ref, samples, packed=False)
-        near.append((abs(fb.mean_log), "" if ref.fan_independent else "per-block ", ref.name, math.exp(fb.mean_log)))
-        if max(gaps) <= 1e-9:
-            if not fb.fits:
-                rivals_of_packed.append(fb)
-            elif ref.fan_independent:
-                fan_indep.append(fb)
-            else:
-                same.append(fb)
-            continue
-        fp = _fit(ref, samples, packed=True)
-        near.append((abs(fp.mean_log), "packed ", ref.name, math.exp(fp.mean_log)))
-        gap = sum(x.n / total * g for x, g in zip(samples, gaps, strict=True))
-        if gap > 2 * tol:
-            if fb.fits:
-                per_block.append(fb)
-            else:
-                rivals_of_packed.append(fb)
-            if fp.fits:
-                packed.append(fp)
-                ratios[ref.name] = [b / p for b, p in zip(sb, sp, strict=True)]
-            else:
-                rivals_of_rest.append(fp)
-        elif fb.fits or fp.fits:
-            noisy.append(fb if fb.fits else fp)
-    others = fan_indep + same + per_block + noisy
-    if packed and not others:
-        names = tuple(f.ref.name for f in packed)
-        fns = tuple(fn for f in packed for fn in f.fns)
-        by = _signals(rivals_of_packed)
-        return Judgement(
-            "packed",
-            names,
-            f"packed: {', '.join(names)} (per-block std would be {_fmt_ratios(ratios[names[0]])}){_by(by)}",
-            by,
-            fns,
-        )
-    if packed:
-        parts = [
-            *(f"packed {f.ref.name}" for f in packed),
-            *(f"per-block {f.ref.name}" for f in per_block),
-            *(_label(f.ref) for f in (*fan_indep, *same)),
-            *(f"{f.ref.name} (per-block or packed: too few values)" for f in noisy),
-        ]
-        return Judgement("undecided", tuple(parts), "undecided: fits " + " and ".join(parts))
-    by = _signals(rivals_of_rest)
-    if per_block or (same and not fan_indep):
-        names = tuple(f.ref.name for f in (*per_block, *same))
-        extra = " (packing does not change it here)" if same and not per_block else ""
-        return Judgement("per-block", names, f"per-block: {', '.join(names)}{extra}{_by(by)}", by)
-    if fan_indep:
-        names = tuple(f.ref.name for f in (*fan_indep, *same))
-        labels = ", ".join(_label(f.ref) for f in fan_indep)
-        also = f" (also fits {', '.join(f.ref.name for f in same)})" if same else ""
-        return Judgement(
-            "fan-independent", names, f"fan-independent: {labels}{also}; packing does not change it{_by(by)}", by
-        )
-    if noisy:
-        names = tuple(f.ref.name for f in noisy)
-        return Judgement("undecided", names, f"undecided: {', '.join(names)} (too few values to tell)")
-    if not near:
-        return Judgement("unknown", (), "unknown (no reference applies)")
-    _, kind, ref_name, r = min(near)
-    return Judgement("unknown", (), f"unknown: fits no reference (nearest: {kind}{ref_name}, std {r:.2f}x)")
+        _sort_ref(h, ref, samples, total, tol)
+    for rule in _RULES:
+        j = rule(h)
+        if j is not None:
+            return j
+    return _unknown(h)

@@ -25,6 +25,8 @@ Exit codes:
   or factory that cannot be imported, a factory that raised (``sys.exit`` included), an unknown
   config key, a result that is not a model; also any unexpected failure while auditing;
 * 3: packedinit refused the model (a registered adapter or layout does not fit it);
+* 4: ``--check`` was given, nothing measured is affected, but some packed parameter has no values
+  to measure (a meta model, an int8 weight, all nan): the audit cannot tell (said on stderr);
 * 130: interrupted (Ctrl-C).
 
 Errors are one line on stderr (``packedinit: error: ...``), never a traceback.
@@ -74,6 +76,7 @@ EXIT_OK = 0
 EXIT_PACKED = 1
 EXIT_USAGE = 2
 EXIT_REFUSED = 3
+EXIT_CANNOT_TELL = 4
 EXIT_INTERRUPTED = 130
 
 
@@ -249,7 +252,7 @@ def _seed_type(text: str) -> int:
 
 _EXIT_CODES = (
     "exit codes: 0 ok; 1 --check found affected parameters; 2 bad command line or target (a factory that raised "
-    "included); 3 packedinit refused the model; 130 interrupted."
+    "included); 3 packedinit refused the model; 4 --check cannot tell (no values to measure); 130 interrupted."
 )
 
 
@@ -290,7 +293,11 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="torch.manual_seed(N) before building and each init (default 0; 0 <= N < 2**64)",
     )
-    a.add_argument("--check", action="store_true", help="exit 1 if parameters of the model as built are affected")
+    a.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 if parameters of the model as built are affected; 4 if it cannot tell (no values to measure)",
+    )
     return parser
 
 
@@ -363,14 +370,15 @@ def _run_audit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     model = _build(ns, target, target_text, progress)
     try:
         layouts = _layouts(model)
+        # the verdict: packedinit.audit(model) itself (looks-packed guesses included); --init never changes it
+        report = audit(model, progress=progress.step("auditing"))
         if init is None:
-            report = audit(model, layouts=layouts, progress=progress.step("auditing"))
             progress.clear()
             if ns.json:
                 _write_json(out, {"target": target_text, "report": report.to_dict()})
             else:
                 out.write(f"target: {target_text}\n{report}\n")
-            return EXIT_PACKED if ns.check and affected(report) else EXIT_OK
+            return _exit_code(ns, report, err)
         fn, ref = init
         refs = (ref,)
         reports: list[tuple[str, AuditReport]] = []
@@ -388,6 +396,7 @@ def _run_audit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         doc = {
             "target": target_text,
             "init": {"fn": ref.fn, "kwargs": dict(ref.kwargs), "describe": ref.describe()},
+            "report": report.to_dict(),
             "scenarios": [{"name": n, "report": r.to_dict()} for n, r in reports],
         }
         _write_json(out, doc)
@@ -403,12 +412,24 @@ def _run_audit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             )
         kw = "".join(f", {k}={v!r}" for k, v in ref.kwargs)
         out.write(
-            f"fix: packedinit.chunked(torch.nn.init.{ref.fn})(model{kw}) runs it per logical block "
-            "(the 'chunked' column).\n"
+            f"to init with {ref.fn} yourself: packedinit.chunked(torch.nn.init.{ref.fn})(model{kw})\n"
+            "  runs it per logical block (the 'chunked' column).\n"
         )
-        answer = textwrap.fill(reports[0][1].answer(), width=110, subsequent_indent="  ", break_on_hyphens=False)
+        answer = textwrap.fill(report.answer(), width=110, subsequent_indent="  ", break_on_hyphens=False)
         out.write(f"answer for the model as built (its own default init):\n{answer}\n")
-    return EXIT_PACKED if ns.check and affected(reports[0][1]) else EXIT_OK
+    return _exit_code(ns, report, err)
+
+
+def _exit_code(ns: argparse.Namespace, report: AuditReport, err: TextIO) -> int:
+    """0, or with ``--check``: 1 affected, 4 cannot tell (said on stderr: never a silent pass)."""
+    if not ns.check:
+        return EXIT_OK
+    if affected(report):
+        return EXIT_PACKED
+    if report.cannot_tell:
+        _error(err, f"--check cannot tell: {report.answer()}")
+        return EXIT_CANNOT_TELL
+    return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
@@ -424,7 +445,8 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
 
     Returns:
         0 ok; 1 ``--check`` found affected parameters; 2 bad command line or target (a factory
-        that raised included); 3 packedinit refused the model; 130 interrupted.
+        that raised included); 3 packedinit refused the model; 4 ``--check`` cannot tell (no values
+        to measure); 130 interrupted.
 
     Examples:
         >>> import io

@@ -147,7 +147,16 @@ class Target:
         return f"{self.module}:{self.attr}({', '.join(parts)})"
 
 
+#: Bare words that read as a yes/no but are not ``true``/``false``: refused, never a (truthy) string.
+_BOOLISH = frozenset({"yes", "no", "on", "off", "y", "n", "t", "f"})
+
+
 def _literal(text: str, what: str) -> Any:
+    word = text.strip().lower()
+    if word in ("true", "false"):
+        return word == "true"  # any case: bidirectional=false is False, never the truthy string 'false'
+    if word in _BOOLISH:
+        raise UsageError(f"{what}: {shorten(text)} is ambiguous; write true or false (any case)")
     try:
         return ast.literal_eval(text)
     except _LITERAL_ERRORS:

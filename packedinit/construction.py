@@ -29,6 +29,7 @@ from .plan import Request
 from .recipes import reset_parameters
 from .run import run
 from .ties import to_empty
+from .traits import TORCH_INIT  # torch's own functions, also while fix_torch_defaults() replaces them
 
 __all__ = ["Deferred", "deferred"]
 
@@ -118,7 +119,7 @@ def deferred() -> Iterator[Deferred]:
     found = Deferred()
     codes = {
         f.__code__: f
-        for name, f in vars(torch.nn.init).items()
+        for name, f in vars(TORCH_INIT).items()
         if isinstance(f, types.FunctionType) and name.endswith("_") and not name.startswith("_")
     }
     depth = [0]

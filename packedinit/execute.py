@@ -29,6 +29,7 @@ from .traits import (
     LOW_PRECISION,
     REJECTIONS,
     TORCH_FNS,
+    TORCH_INIT,
     UNIFORM_FNS,
     DirectDraw,
     base,
@@ -57,7 +58,7 @@ __all__ = [
     "PLAIN_TYPES",
 ]
 
-_init = torch.nn.init
+_init = TORCH_INIT  # torch's own functions, also while fix_torch_defaults replaces torch.nn.init's names
 PLAIN_TYPES = (Tensor, nn.Parameter)
 
 

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .rng import global_restored
+from .traits import TORCH_INIT  # torch's own functions, also while fix_torch_defaults() replaces them
 
 __all__ = [
     "StandIns",
@@ -81,7 +82,7 @@ def meta_noop_inits() -> dict[types.CodeType, str]:
         ['dirac_', 'orthogonal_', 'sparse_']
     """
     found: dict[types.CodeType, str] = {}
-    for name, f in vars(torch.nn.init).items():
+    for name, f in vars(TORCH_INIT).items():
         code = getattr(f, "__code__", None)
         if not isinstance(f, types.FunctionType) or not isinstance(code, types.CodeType):
             continue

@@ -28,6 +28,7 @@ from torch.nn.init import (
     zeros_,
 )
 
+from . import init_calls
 from .adapters.torch_nn import LSTM_GATES, QKV, gate_layout, gate_names
 from .errors import PackedInitError
 from .layout import Layout
@@ -309,7 +310,9 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
       ``inv_freq`` hold); a nested ``PreTrainedModel`` uses its own. Its
       ``nn.MultiheadAttention`` and ``nn.LSTM`` defaults are run per block. Tied
       weights are tied again first (``tie_weights()``): ``to_empty`` unties them.
-
+    - while any of these runs, every fan-dependent ``torch.nn.init`` call it makes on a
+      packed parameter of ``module`` runs per block (:mod:`packedinit.init_calls`): the
+      model's own init (SigLIP's pooling head, Mask2Former), with its packed blocks per block.
     - a parametrized module (``weight_norm``, ``spectral_norm``, ``orthogonal``):
       its own init on a plain stand-in of the unparametrised weight, the originals
       written through ``right_inverse`` (see :mod:`packedinit.parametrized`).
@@ -372,7 +375,7 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
         warnings.warn(message.replace(" or pass strict=False to initialise everything else and", " or"), stacklevel=2)
     holders = tensor_holders(module)
     later = later_holders(module)  # a tie's later holder (nanoGPT's lm_head) did not init the shared tensor
-    with hf_flags_cleared(module):
+    with hf_flags_cleared(module), init_calls.acquire(module):  # the model's own init calls: packed ones per block
         for step in steps:
             with contextlib.ExitStack() as stack:
                 if step.globalize:

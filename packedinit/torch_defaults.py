@@ -11,6 +11,10 @@ r"""One opt-in switch: torch's own construction initialises packed parameters pe
   ``dim > 1`` in torch's order, packed ones (those :func:`packedinit.layouts` knows)
   per block.
 
+It also turns on :mod:`packedinit.init_calls`: every fan-dependent ``torch.nn.init``
+function called (by torch, transformers' ``_init_weights``, other libraries, the user) on a
+Parameter packedinit knows to be packed runs per block; every other call is torch's own.
+
 Nothing else changes: same draws from the global RNG, in the same order, as torch's
 methods, so every other parameter of a module built under the fix is bit-identical to
 the one torch builds from the same seed.
@@ -26,6 +30,7 @@ from types import TracebackType
 import torch
 from torch import nn
 
+from . import init_calls
 from .errors import PackedInitError
 from .recipes import reset_multihead_attention, reset_transformer
 
@@ -102,14 +107,23 @@ class TorchDefaultsFix:
     returns or raises.
     """
 
-    __slots__ = ("_on",)
+    __slots__ = ("_calls", "_on")
 
-    def __init__(self) -> None:
+    def __init__(self, *models: nn.Module) -> None:
         global _active
         self._on = False
+        for m in models:
+            if not isinstance(m, nn.Module):
+                raise PackedInitError(f"fix_torch_defaults(*models) takes nn.Module instances, got {type(m).__name__}.")
         with _lock:
             if _active == 0:
                 _install()
+            try:
+                self._calls = init_calls.acquire(*models)
+            except BaseException:
+                if _active == 0:
+                    _restore()
+                raise
             _active += 1
             self._on = True
 
@@ -125,6 +139,7 @@ class TorchDefaultsFix:
             if not self._on:
                 return
             self._on = False
+            self._calls.release()
             _active -= 1
             if _active == 0:
                 _restore()
@@ -146,7 +161,7 @@ class TorchDefaultsFix:
         return f"<packedinit.fix_torch_defaults handle: {'on' if self._on else 'undone'}>"
 
 
-def fix_torch_defaults() -> TorchDefaultsFix:
+def fix_torch_defaults(*models: nn.Module) -> TorchDefaultsFix:
     r"""From this call on, torch's own construction initialises packed parameters per block.
 
     Replaces, for the whole process, ``nn.MultiheadAttention._reset_parameters`` (run
@@ -161,6 +176,16 @@ def fix_torch_defaults() -> TorchDefaultsFix:
       ``bias_k``/``bias_v`` (``xavier_normal_``) exactly as torch does.
     - ``Transformer``: ``xavier_uniform_`` on every parameter with ``dim > 1`` in
       ``parameters()`` order, as torch does, packed ones per block.
+    - every fan-dependent ``torch.nn.init`` function (``xavier_*``, ``kaiming_*``,
+      ``orthogonal_``, ``eye_``, ``dirac_``, ``sparse_``), whoever calls it (torch, a
+      transformers ``_init_weights`` through ``transformers.initialization``, another
+      library, you): on a Parameter known to be packed it runs once per block; on anything
+      else it is torch's own call. Known to be packed: Parameters registered under the fix
+      on a module with an adapter (MHA, LSTM/GRU/RNN and cells, registered adapters, also
+      for an adapter's descendants), annotated Parameters, and the packed parameters of
+      ``models``. Not reached: a function bound before the fix in a module packedinit does
+      not know (``from torch.nn.init import xavier_uniform_``), a call on ``p.data`` (see
+      :mod:`packedinit.init_calls` and the docs).
 
     The draws are torch's, in torch's order (tested on CPU, torch 2.13.0): every
     parameter other than the packed ones is bit-identical to torch's own construction
@@ -189,13 +214,18 @@ def fix_torch_defaults() -> TorchDefaultsFix:
       the replaced methods are class attributes, so while any handle is on every
       thread's construction is fixed, not just the caller's.
 
+    Args:
+        *models: models built before the fix whose packed parameters (what
+            :func:`packedinit.layouts` finds) the init calls should also know while this
+            handle holds: ``with fix_torch_defaults(model): model.apply(model._init_weights)``.
+
     Returns:
         A :class:`TorchDefaultsFix`: ``.undo()`` turns this reference off; as a context
         manager it undoes on exit, also when the body raises.
 
     Raises:
         PackedInitError: the installed torch has no such method to replace (a future
-            torch); nothing was changed.
+            torch), or a model is not an ``nn.Module``; nothing was changed.
 
     Examples:
         >>> import torch
@@ -206,13 +236,19 @@ def fix_torch_defaults() -> TorchDefaultsFix:
         True
         >>> bool(mha.in_proj_weight.abs().max() > (6 / (4 * E)) ** 0.5)  # beyond torch's packed bound
         True
+        >>> lstm = torch.nn.LSTM(8, 8)  # built before: handed to the fix, its init calls run per gate
+        >>> with fix_torch_defaults(lstm):
+        ...     _ = torch.nn.init.orthogonal_(lstm.weight_hh_l0)
+        >>> g = lstm.weight_hh_l0.detach()[:8]
+        >>> torch.allclose(g @ g.T, torch.eye(8), atol=1e-5)
+        True
         >>> fix = fix_torch_defaults()  # or on until undone
         >>> layer = torch.nn.TransformerEncoderLayer(E, 4)
         >>> fix.undo()
         >>> torch_defaults_fixed()
         False
     """
-    return TorchDefaultsFix()
+    return TorchDefaultsFix(*models)
 
 
 def torch_defaults_fixed() -> bool:

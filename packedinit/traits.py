@@ -13,6 +13,7 @@ import functools
 import inspect
 import math
 import numbers
+import types
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -44,6 +45,7 @@ __all__ = [
     "check_fn_dtype",
     "check_values",
     "convertible",
+    "TORCH_INIT",
     "direct_draw",
     "DirectDraw",
     "draw",
@@ -51,7 +53,10 @@ __all__ = [
     "normal_merges",
 ]
 
-_init = torch.nn.init
+#: torch.nn.init's functions as imported: ``fix_torch_defaults`` replaces the module's names while it is on,
+#: and every identity rule here is about torch's own functions.
+TORCH_INIT = types.SimpleNamespace(**vars(torch.nn.init))
+_init = TORCH_INIT
 #: torch.nn.init functions that draw random numbers (they need a floating-point tensor).
 RANDOM_FNS: frozenset[Callable[..., Tensor]] = frozenset(
     {
@@ -147,10 +152,11 @@ def hashable_in(fn: object, group: frozenset[Callable[..., Tensor]]) -> bool:
 
 
 def base(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    """The function under any ``functools.partial`` layers."""
+    """The function under any ``functools.partial`` layers (torch's own under a ``fix_torch_defaults`` wrapper)."""
     while isinstance(fn, functools.partial):
         fn = fn.func
-    return fn
+    inner: Callable[..., Tensor] | None = getattr(fn, "__packedinit_torch__", None)
+    return inner if inner is not None else fn
 
 
 def substitute(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -366,7 +372,7 @@ def direct_draw(
         return None
     fan = fan_in if mode == "fan_in" else fan_out
     try:
-        gain = _init.calculate_gain(nonlinearity, slope)  # type: ignore[arg-type]  # checked to be a str above
+        gain = _init.calculate_gain(nonlinearity, slope)
     except ValueError:
         return None
     std = gain / math.sqrt(fan)

@@ -93,8 +93,9 @@ def test_looks_packed_by_name_and_shape_not_mlp_or_separate_projections() -> Non
     text = str(rep)
     assert "looks packed (no adapter or annotation describes these parameters):" in text
     assert "packedinit.annotate(model, **{'attn.qkv.weight': packedinit.Layout(0, [64, 64, 64]" in text
-    assert text.splitlines()[-1].startswith("answer: not affected")
-    assert "4 parameter(s) look packed" in text.splitlines()[-1]
+    answer = " ".join(text.partition("\nanswer: ")[2].split())  # the last line(s), wrapped at 118 columns
+    assert answer.startswith("not affected")
+    assert "4 parameter(s) look packed" in answer
     assert rep.affected == ()
     doc = rep.to_dict()
     assert [s["name"] for s in doc["suspects"]] == names
@@ -112,9 +113,11 @@ def test_annotate_line_pastes_and_an_affected_init_is_reported() -> None:
     assert rep.affected == ("attn.qkv.weight",)
     assert "AFFECTED" in str(rep)
     assert rep.answer().startswith(
-        "affected: 1 packed parameter initialised whole (attn.qkv.weight); fix: annotate the parameters marked "
-        "'looks packed' (lines above), then packedinit.chunked(torch.nn.init.xavier_uniform_)(model)"
+        f"affected: 1 packed parameter initialised whole (attn.qkv.weight); fix: {s.annotate}; "
+        "packedinit.init_model(model, torch.nn.init.xavier_uniform_, params=['attn.qkv.weight'])"
     )
+    assert rep.fix() is not None
+    assert rep.fix().startswith(s.annotate)  # type: ignore[union-attr]  # checked just above
     exec(s.annotate, {"packedinit": packedinit, "model": model})  # the ready-to-paste line
     rep = audit(model)
     assert "attn.qkv.weight" in rep  # now described: audited as a packed parameter

@@ -122,10 +122,12 @@ def test_answer_names_count_and_a_fix_that_works_mha() -> None:
     model = nn.ModuleDict({"a": nn.MultiheadAttention(64, 4), "b": nn.MultiheadAttention(64, 4)})
     rep = audit(model)
     assert rep.affected == ("a.in_proj_weight", "b.in_proj_weight")
-    last = str(rep).splitlines()[-1]
+    assert " ".join(str(rep).partition("\nanswer: ")[2].split()) == rep.answer()  # the table ends with it, wrapped
+    last = "answer: " + rep.answer()
     assert last == (
         "answer: affected: 2 packed parameters initialised whole (a.in_proj_weight, b.in_proj_weight); "
-        "fix: packedinit.reset_parameters(model)"
+        "fix: packedinit.init_model(model, torch.nn.init.xavier_uniform_, params=['a.in_proj_weight', "
+        "'b.in_proj_weight'])"
     )
     _fix(rep, model)
     assert audit(model).affected == ()
@@ -139,7 +141,9 @@ def test_answer_fix_for_a_user_init_works_lstm() -> None:
     rep = audit(lstm)
     assert rep.affected == ("weight_ih_l0", "weight_hh_l0")
     assert rep["weight_ih_l0"].fns == ("xavier_normal_",)  # the kurtosis says normal, not uniform
-    assert rep.fix() == "packedinit.chunked(torch.nn.init.xavier_normal_)(model)"
+    assert rep.fix() == (
+        "packedinit.init_model(model, torch.nn.init.xavier_normal_, params=['weight_ih_l0', 'weight_hh_l0'])"
+    )
     assert rep.answer().startswith("affected: 2 packed parameters initialised whole (weight_ih_l0, weight_hh_l0)")
     _fix(rep, lstm)
     after = audit(lstm)
@@ -156,7 +160,9 @@ def test_single_block_storage_is_counted_and_worded_apart() -> None:
     p = rep["transformer.h.0.mlp.c_fc.weight"]
     assert not p.multi_block
     assert p.verdict == "undecided"  # kaiming_in on the stored tensor == kaiming_out per block: cannot tell
-    assert p.detail == "undecided: fits packed kaiming_in and per-block kaiming_out"
+    assert p.detail == (
+        "undecided: fits packed kaiming_in and per-block kaiming_out (indistinguishable: the same distribution here)"
+    )
     assert rep.affected == ()
     assert "6 single-block stored transposed or batched (5 fan-independent, 1 undecided)" in rep.summary()
     torch.manual_seed(3)
@@ -168,7 +174,9 @@ def test_single_block_storage_is_counted_and_worded_apart() -> None:
     assert not q.multi_block
     assert q.detail.startswith("packed (the init ran on the stored shape, not the logical one): xavier")
     assert rep.affected == ("model.layers.0.mlp.experts.down_proj",)
-    assert rep.fix() == "packedinit.chunked(torch.nn.init.xavier_uniform_)(model)"
+    assert rep.fix() == (
+        "packedinit.init_model(model, torch.nn.init.xavier_uniform_, params=['model.layers.0.mlp.experts.down_proj'])"
+    )
 
 
 def test_fix_keeps_a_users_own_init_on_mha_and_mixed_blocks() -> None:
@@ -177,7 +185,7 @@ def test_fix_keeps_a_users_own_init_on_mha_and_mixed_blocks() -> None:
     init.orthogonal_(mha.in_proj_weight)  # the user's init, on the packed tensor: not torch's default
     rep = audit(mha)
     assert rep["in_proj_weight"].matches == ("orthogonal",)
-    assert rep.fix() == "packedinit.chunked(torch.nn.init.orthogonal_)(model)"
+    assert rep.fix() == "packedinit.init_model(model, torch.nn.init.orthogonal_, params=['in_proj_weight'])"
     init.xavier_uniform_(mha.in_proj_weight)
     with torch.no_grad():  # q re-initialised on its own with normal(0, 0.02): per block; k, v still packed
         mha.in_proj_weight[:64].normal_(0, 0.02)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import packedinit.cli as cli
-from packedinit.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_PACKED, EXIT_REFUSED, EXIT_USAGE, main
+from packedinit.cli import EXIT_CANNOT_TELL, EXIT_INTERRUPTED, EXIT_OK, EXIT_PACKED, EXIT_REFUSED, EXIT_USAGE, main
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "pages" / "cli.md"
 
@@ -82,8 +82,8 @@ def test_every_option_is_documented_on_the_page_and_in_the_docstring() -> None:
 
 
 def test_every_exit_code_is_documented() -> None:
-    codes = {EXIT_OK, EXIT_PACKED, EXIT_USAGE, EXIT_REFUSED, EXIT_INTERRUPTED}
-    assert codes == {0, 1, 2, 3, 130}
+    codes = {EXIT_OK, EXIT_PACKED, EXIT_USAGE, EXIT_REFUSED, EXIT_CANNOT_TELL, EXIT_INTERRUPTED}
+    assert codes == {0, 1, 2, 3, 4, 130}
     text = PAGE.read_text()
     table = text[text.index("| code | meaning |") :].split("\n\n")[0]
     assert {int(c) for c in re.findall(r"^\| (\d+) \|", table, flags=re.MULTILINE)} == codes
