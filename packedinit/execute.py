@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .layout import Layout, LogicalBlock, fmt_shape
+from .orient import row_major, stored_order, write_stored
 from .plan import INFERENCE_FIX, Plan, Request, Where, check_tensor, rejected
 from .traits import (
     GENERATOR_OK,
@@ -200,18 +201,6 @@ def _draw_banded(dst: Tensor, block: LogicalBlock, d: DirectDraw, plan: Plan, sc
     return True
 
 
-def _row_major(t: Tensor) -> bool:
-    """Whether walking ``t`` in memory order visits its elements in row-major order (no overlap)."""
-    extent = 1
-    for size, stride in reversed(list(zip(t.shape, t.stride(), strict=True))):
-        if size == 1:
-            continue
-        if stride < extent:
-            return False
-        extent = stride * size
-    return True
-
-
 @functools.lru_cache(maxsize=4096)
 def _geometry(layout: Layout, shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[_Where, ...]:
     """Per block, where it lives, computed once on meta tensors (pure, cached)."""
@@ -221,7 +210,7 @@ def _geometry(layout: Layout, shape: tuple[int, ...], stride: tuple[int, ...]) -
         logical = torch.empty(block.shape, device="meta")
         lv = layout.logical_view(meta, block)
         inplace = lv is not None and lv.is_contiguous()
-        ordered = lv is not None and not inplace and not layout.transposed and _row_major(lv)
+        ordered = lv is not None and not inplace and not layout.transposed and row_major(lv)
         sv = layout.storage_view(meta, block)
         ts = layout.to_storage(logical, block, len(shape))
         out.append(
@@ -320,6 +309,9 @@ class LocalSink:
                 return
             sshape, sstride, soff = g.storage
             dst = tensor.as_strided(sshape, sstride, self.offset + soff)
+            if same and stored_order(layout, fn, plan.direct[block.index]):  # no transposing copy
+                self.direct = write_stored(plan, block, fn, dst, scratch)
+                return
             # storage (in, groups, size) with one of groups/size 1: logical row r is column r
             columns = self.tiled and len(block.shape) == 2 and (layout.groups == 1 or sshape[2] == 1)
             d = plan.direct[block.index]
@@ -339,6 +331,9 @@ class LocalSink:
                 dst.copy_(res.as_strided(*g.from_logical))
             else:
                 dst.copy_(layout.to_storage(res, block, self.ndim))
+            return
+        if same and stored_order(layout, fn, plan.direct[block.index]):
+            self.direct = write_stored(plan, block, fn, layout.storage_view(tensor, block), scratch)
             return
         view = layout.logical_view(tensor, block) if same else None
         if view is not None and view.is_contiguous():
