@@ -6,39 +6,32 @@ a small :class:`Sink`: :class:`LocalSink` writes a plain tensor (in place where 
 logical view is contiguous, through the scratch buffer and a tiled transposing copy
 otherwise); :mod:`packedinit.distributed` adds a sink that keeps one rank's shard.
 
-:func:`run_whole` is the lean path for an unpacked tensor: the init function is called on
-the tensor itself, exactly as a plain call would, with errors turned into PackedInitError.
+:mod:`packedinit.lean` holds the lean path for an unpacked tensor (the init function called on
+the tensor itself, exactly as a plain call would).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import types
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from .layout import Layout, LogicalBlock, fmt_shape
+from .layout import Layout, LogicalBlock
+from .lean import PLAIN_TYPES
 from .orient import row_major, stored_order, write_stored
-from .plan import INFERENCE_FIX, Plan, Request, Where, check_tensor, rejected
+from .plan import Plan, rejected
 from .traits import (
-    GENERATOR_OK,
-    LEAN,
-    LOW_PRECISION,
-    REJECTIONS,
     TORCH_FNS,
     UNIFORM_FNS,
     DirectDraw,
     base,
-    check_fn_dtype,
-    check_values,
     compute_dtype,
     convertible,
     draw,
-    fn_name,
     hashable_in,
     joins,
 )
@@ -50,15 +43,10 @@ __all__ = [
     "LocalSink",
     "execute",
     "fill_block",
-    "run_whole",
-    "lean_call",
-    "lean_flags",
-    "lean_ok",
     "PLAIN_TYPES",
 ]
 
 _init = torch.nn.init
-PLAIN_TYPES = (Tensor, nn.Parameter)
 
 
 class Scratch:
@@ -393,125 +381,3 @@ def execute(plan: Plan, sink: Sink, scratch: Scratch | None = None) -> None:
             written = True
     finally:
         torch._C._set_grad_enabled(grad)
-
-
-# -- the lean path: one block that is the whole tensor ---------------------------------------------------
-def lean_call(
-    tensor: Tensor,
-    fn: Callable[..., Tensor],
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-    param: str | None = None,
-) -> None:
-    """Call a torch.nn.init function on the whole tensor as it is (the lean path).
-
-    Those functions check their input before they write and use no_grad themselves; a
-    rejection becomes PackedInitError (also an instance of the error torch raised).
-    """
-    try:
-        fn(tensor, *args, **kwargs)
-    except Exception as e:
-        if not _lean_failed(Request(tensor, None, None, fn, args, kwargs, param), fn, e):
-            raise
-
-
-def _lean_failed(req: Request, fn: Callable[..., Tensor], e: Exception) -> bool:
-    """A torch.nn.init function raised on the lean path: raise PackedInitError when it means bad input.
-
-    Returns True when the error is to be ignored (a zero-element tensor: nothing to fill),
-    False when the caller re-raises the original (e.g. out of memory, or an inference
-    tensor outside inference mode: torch writes it before it refuses).
-    """
-    tensor = req.tensor
-    if tensor.numel() == 0:
-        return True
-    if not convertible(e, True):
-        return False
-    if tensor.is_inference() and not torch.is_inference_mode_enabled():
-        if hasattr(e, "add_note"):  # Python >= 3.11
-            e.add_note(f"packedinit: {INFERENCE_FIX}")
-        return False
-    where = str(Where(req.param, tensor.shape))
-    gen = req.kwargs.get("generator")
-    check_tensor(tensor, gen if isinstance(gen, torch.Generator) else None, where)
-    check_fn_dtype(tensor.dtype, fn, where)
-    raise rejected(where, None, fn, e, wrote_nothing=True) from e
-
-
-def lean_flags(fn: object) -> tuple[bool, bool] | None:
-    """For a torch.nn.init function the lean path calls as it is: (skip zero-element tensors, takes generator=)."""
-    try:
-        flags: tuple[bool, bool] | None = LEAN.get(fn)  # type: ignore[call-overload]  # any hashable object
-    except TypeError:  # an unhashable callable
-        return None
-    return flags
-
-
-def lean_ok(fn: object, kwargs: Mapping[str, Any], tensor: Tensor) -> bool:
-    """Whether ``fn(tensor, **kwargs)`` on a whole unpacked tensor may be exactly the plain call."""
-    flags = lean_flags(fn)
-    if flags is None or (flags[0] and tensor.numel() == 0):
-        return False
-    return flags[1] or "generator" not in kwargs
-
-
-def run_whole(req: Request, fn: Callable[..., Tensor]) -> bool:
-    """The lean path for one block that is the whole tensor: call ``fn`` on it directly.
-
-    Returns False when the general path must handle it (orthogonal_ that needs a
-    float32/contiguous scratch, generator= that needs care, a user function on meta,
-    a dtype or argument the general checks must refuse before any write).
-    """
-    tensor, kwargs = req.tensor, req.kwargs
-    is_torch = type(fn) is types.FunctionType and fn in TORCH_FNS
-    if is_torch:
-        if not _lean_safe(tensor, fn):
-            return False
-        if req.args or kwargs:  # torch checks some arguments only after it has drawn or written
-            check_values(fn, req.args, kwargs, Where(req.param, tensor.shape))
-    lean = lean_flags(fn)
-    if lean is not None and (lean[1] or not kwargs or "generator" not in kwargs):
-        if lean[0] and tensor.numel() == 0:
-            return True
-        lean_call(tensor, fn, req.args, kwargs, req.param)
-        return True
-    if is_torch:
-        if fn is _init.orthogonal_ or fn is _init.trunc_normal_:
-            dtype = tensor.dtype
-            if dtype.is_complex or (fn is _init.orthogonal_ and not tensor.is_contiguous()):
-                return False
-        if kwargs and "generator" in kwargs and fn not in GENERATOR_OK:
-            return False
-        if tensor.numel() == 0:
-            return True
-        lean_call(tensor, fn, req.args, kwargs, req.param)
-        return True
-    if tensor.is_meta or (kwargs and "generator" in kwargs):
-        return False
-    if tensor.numel() == 0:
-        return True
-    try:
-        with torch.no_grad():
-            out = fn(tensor, *req.args, **kwargs)
-            if out is not tensor and isinstance(out, Tensor):
-                if out.shape != tensor.shape:
-                    raise ValueError(
-                        f"{fn_name(fn)} returned a tensor of shape {fmt_shape(out.shape)}; an init function "
-                        f"must fill its argument in place or return a tensor of the same shape"
-                    )
-                tensor.copy_(out)
-    except REJECTIONS as e:
-        where = str(Where(req.param, tensor.shape))
-        raise rejected(where, None, fn, e, wrote_nothing=False) from e
-    return True
-
-
-_SAFE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-
-
-def _lean_safe(tensor: Tensor, fn: Callable[..., Tensor]) -> bool:
-    """Whether torch's own checks cover this call before it writes (else the general path checks first)."""
-    if tensor.dtype in LOW_PRECISION and fn is _init.orthogonal_:
-        return False
-    # float8, complex, integers: the general path refuses or handles them up front
-    return tensor.dtype in _SAFE_DTYPES or fn not in LEAN or fn in (_init.constant_, _init.ones_, _init.zeros_)

@@ -29,8 +29,9 @@ from .chunks import Chunks
 from .claims import own_layouts, resolve
 from .distributed import DTensorPlan, plan_dtensor, write_planned
 from .errors import PackedInitError
-from .execute import LocalSink, Scratch, execute, run_whole
+from .execute import LocalSink, Scratch, execute
 from .layout import Layout
+from .lean import GENERAL, call, route
 from .plan import Plan, Request, make_plan
 from .traits import fn_name, is_dtensor
 
@@ -57,7 +58,7 @@ class Step:
     req: Request
     plan: Plan | None = None
     dtensor: DTensorPlan | None = None
-    lean: bool = False  # an unpacked plain tensor: init_fn may be called on it directly
+    lean: int = GENERAL  # an unpacked plain tensor: what packedinit.lean.route decided for it
 
 
 def plan_steps(
@@ -94,7 +95,9 @@ def plan_requests(reqs: Iterable[Request]) -> list[Step]:
             continue
         plan = make_plan(req, full=True)
         if plan is not None and not p.is_meta and p.numel():
-            steps.append(Step(req, plan=plan, lean=layout is None and req.dim is None))
+            unpacked = layout is None and req.dim is None and callable(req.init_fn)
+            how = route(p, req.init_fn, req.args, req.kwargs, req.param) if unpacked else GENERAL
+            steps.append(Step(req, plan=plan, lean=how))
     return steps
 
 
@@ -105,9 +108,11 @@ def run_steps(steps: Sequence[Step], scratch: Scratch | None = None) -> None:
         if step.dtensor is not None:
             write_planned(step.dtensor, scratch)
         elif step.plan is not None:
-            fn = step.req.init_fn
-            if not (step.lean and callable(fn) and run_whole(step.req, fn)):
-                execute(step.plan, LocalSink(step.req.tensor, step.plan.layout), scratch)
+            req = step.req
+            if step.lean != GENERAL:
+                call(step.lean, req.tensor, req.init_fn, req.args, req.kwargs, req.param)  # type: ignore[arg-type]
+            else:
+                execute(step.plan, LocalSink(req.tensor, step.plan.layout), scratch)
 
 
 def init_tree(
