@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import fnmatch
 import sys
+import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, TypeAlias
 
+import torch
 from torch import Tensor, nn
 
 from .chunks import Chunks
@@ -31,9 +33,9 @@ from .distributed import DTensorPlan, plan_dtensor, write_planned
 from .errors import PackedInitError
 from .execute import LocalSink, Scratch, execute
 from .layout import Layout
-from .lean import GENERAL, call, route
+from .lean import GENERAL, PLAIN_TYPES, call, route
 from .plan import Plan, Request, make_plan
-from .traits import fn_name, is_dtensor
+from .traits import TORCH_FNS, fn_name, is_dtensor
 
 __all__ = [
     "init_model",
@@ -84,8 +86,50 @@ def plan_steps(
     )
 
 
+#: Unpacked plain tensors whose every check passed, by everything those checks read (see _checked_key),
+#: with what packedinit.lean.route decided for them. Only torch.nn.init functions with plain-valued
+#: arguments: the key keeps no caller's object alive. Bounded; cleared when full.
+_CHECKED: dict[tuple[object, ...], int] = {}
+_CHECKED_MAX = 4096
+_PLAIN_VALUES = (int, float, str, bool, type(None))
+
+
+def _checked_key(req: Request) -> tuple[object, ...] | None:
+    """For an unpacked plain tensor and a torch.nn.init function with plain-valued arguments: everything
+    ``make_plan(req, full=True)`` and ``route`` read (the name only goes into messages); else None."""
+    fn, p = req.init_fn, req.tensor
+    if req.chunks is not None or req.dim is not None or type(p) not in PLAIN_TYPES or p.layout != torch.strided:
+        return None
+    if type(fn) is not types.FunctionType or fn not in TORCH_FNS:
+        return None
+    if req.args or req.kwargs:
+        values = (*req.args, *req.kwargs.values())
+        if not all(type(v) in _PLAIN_VALUES for v in values):
+            return None
+        args: object = tuple((type(v), v) for v in req.args)
+        kwargs: object = tuple((k, type(v), v) for k, v in req.kwargs.items())
+    else:
+        args = kwargs = ()
+    return (
+        fn,
+        args,
+        kwargs,
+        type(p),
+        p.shape,
+        p.stride(),
+        p.dtype,
+        p.device,
+        p.is_inference(),
+        torch.is_inference_mode_enabled(),
+    )
+
+
 def plan_requests(reqs: Iterable[Request]) -> list[Step]:
-    """Validate every request before anything is written; return the steps that write, in order."""
+    """Validate every request before anything is written; return the steps that write, in order.
+
+    An unpacked tensor whose checks an equal one already passed (same shape, strides, dtype,
+    device, function and arguments) is not checked again: the checks read nothing else.
+    """
     steps: list[Step] = []
     for req in reqs:
         p, layout = req.tensor, req.chunks
@@ -93,11 +137,20 @@ def plan_requests(reqs: Iterable[Request]) -> list[Step]:
             # every check now, so that the whole model stays all-or-nothing; written by the distributed path
             steps.append(Step(req, dtensor=plan_dtensor(req)))
             continue
+        key = _checked_key(req)
+        how = _CHECKED.get(key) if key is not None else None
+        if how is not None:  # an equal tensor passed every check (only written ones are kept)
+            steps.append(Step(req, lean=how))
+            continue
         plan = make_plan(req, full=True)
         if plan is not None and not p.is_meta and p.numel():
             unpacked = layout is None and req.dim is None and callable(req.init_fn)
             how = route(p, req.init_fn, req.args, req.kwargs, req.param) if unpacked else GENERAL
             steps.append(Step(req, plan=plan, lean=how))
+            if key is not None and how != GENERAL:
+                if len(_CHECKED) >= _CHECKED_MAX:
+                    _CHECKED.clear()
+                _CHECKED[key] = how
     return steps
 
 
@@ -105,14 +158,13 @@ def run_steps(steps: Sequence[Step], scratch: Scratch | None = None) -> None:
     """Write what :func:`plan_steps` validated, in order, sharing one scratch buffer."""
     scratch = scratch or Scratch()
     for step in steps:
+        req = step.req
         if step.dtensor is not None:
             write_planned(step.dtensor, scratch)
+        elif step.lean != GENERAL:
+            call(step.lean, req.tensor, req.init_fn, req.args, req.kwargs, req.param)  # type: ignore[arg-type]
         elif step.plan is not None:
-            req = step.req
-            if step.lean != GENERAL:
-                call(step.lean, req.tensor, req.init_fn, req.args, req.kwargs, req.param)  # type: ignore[arg-type]
-            else:
-                execute(step.plan, LocalSink(req.tensor, step.plan.layout), scratch)
+            execute(step.plan, LocalSink(req.tensor, step.plan.layout), scratch)
 
 
 def init_tree(
