@@ -298,7 +298,7 @@ class LocalSink:
             sshape, sstride, soff = g.storage
             dst = tensor.as_strided(sshape, sstride, self.offset + soff)
             if same and stored_order(layout, fn, plan.direct[block.index]):  # no transposing copy
-                self.direct = write_stored(plan, block, fn, dst, scratch)
+                self.direct = write_stored(plan, block, fn, dst, scratch, self.cpu)
                 return
             # storage (in, groups, size) with one of groups/size 1: logical row r is column r
             columns = self.tiled and len(block.shape) == 2 and (layout.groups == 1 or sshape[2] == 1)
@@ -321,7 +321,7 @@ class LocalSink:
                 dst.copy_(layout.to_storage(res, block, self.ndim))
             return
         if same and stored_order(layout, fn, plan.direct[block.index]):
-            self.direct = write_stored(plan, block, fn, layout.storage_view(tensor, block), scratch)
+            self.direct = write_stored(plan, block, fn, layout.storage_view(tensor, block), scratch, self.cpu)
             return
         view = layout.logical_view(tensor, block) if same else None
         if view is not None and view.is_contiguous():

@@ -110,8 +110,12 @@ def _bands(rows: int, row_len: int) -> Sequence[tuple[int, int]]:
     return out
 
 
-def write_stored(plan: Plan, block: LogicalBlock, fn: Callable[..., Tensor], dst: Tensor, scratch: _Flat) -> bool:
+def write_stored(
+    plan: Plan, block: LogicalBlock, fn: Callable[..., Tensor], dst: Tensor, scratch: _Flat, cpu: bool
+) -> bool:
     """Put the block into ``dst`` (its storage view in a local tensor) in stored order; True: ``fn`` wrote ``dst``.
+
+    ``cpu``: whether to take the CPU paths (the sink says; ``dst.device.type == "cpu"`` in use).
 
     A direct draw goes straight into ``dst`` where it is contiguous, or (CPU ``uniform_``, which
     fills in memory order) where its memory order is its row-major order: one op. On CPU a
@@ -120,7 +124,6 @@ def write_stored(plan: Plan, block: LogicalBlock, fn: Callable[..., Tensor], dst
     two ops per block.
     """
     d = plan.direct[block.index]
-    cpu = dst.device.type == "cpu"
     if d is not None and (dst.is_contiguous() or (cpu and d[0] == "uniform" and row_major(dst))):
         draw(dst, d, plan.generator)
         return True
