@@ -44,7 +44,11 @@ def chunked_init(
     ``orthogonal_``, ``eye_``, ``dirac_``, ``sparse_``) compute the fans of the
     block, not of the packed tensor. Blocks are filled in block order from one
     RNG stream: on CPU the result is bit-identical to initialising the separate
-    logical tensors one after another with the same seed, then packing them.
+    logical tensors one after another with the same seed, then packing them. On
+    transposed storage a function whose values are i.i.d. per element given the
+    fans (``uniform_``, ``normal_``, ``trunc_normal_``, ``xavier_*``, ``kaiming_*``,
+    ``constant_``...) draws each block in its stored ``(in, out)`` order with the
+    block's own fans: the separate tensors are then in their stored orientation.
 
     For ``nn.MultiheadAttention.in_proj_weight`` of shape :math:`(3E, E)`,
     ``xavier_uniform_`` on the packed tensor draws from

@@ -48,6 +48,7 @@ __all__ = [
     "plan_requests",
     "run_steps",
     "Step",
+    "LeanStep",
 ]
 
 _APPLY_CODE = nn.Module.apply.__code__
@@ -63,6 +64,11 @@ class Step:
     lean: int = GENERAL  # an unpacked plain tensor: what packedinit.lean.route decided for it
 
 
+#: A write of an unpacked tensor whose checks an equal one passed: ``lean.call``'s arguments
+#: (route, tensor, fn, args, kwargs, name).
+LeanStep: TypeAlias = tuple[int, Tensor, Callable[..., Tensor], tuple[Any, ...], Mapping[str, Any], str | None]
+
+
 def plan_steps(
     entries: Iterable[tuple[str, Tensor, Layout | None]],
     init_fn: Callable[..., Tensor],
@@ -70,20 +76,30 @@ def plan_steps(
     kwargs: Mapping[str, Any],
     *,
     min_dim: int = 2,
-) -> list[Step]:
+) -> list[Step | LeanStep]:
     """Validate every entry with ``dim >= min_dim`` before anything is written; return what to write, in order.
 
     Every tensor gets every check of its own (its memory, dtype, generator device); the
     dry run of ``init_fn`` on each distinct block shape is cached, so validating a large
-    model costs little more than one check per parameter.
+    model costs little more than one check per parameter. An unpacked tensor whose checks an
+    equal one passed (see :func:`_checked_key`) is not planned again.
     """
-    return plan_requests(
-        Request(p, layout, None, init_fn, args, kwargs, name)
-        for name, p, layout in entries
+    head = _call_key(init_fn, args, kwargs)
+    mode = torch.is_inference_mode_enabled()
+    steps: list[Step | LeanStep] = []
+    for name, p, layout in entries:
         # A layout's batch dims index independent blocks: a stacked (n_experts, 2I) bias holds
         # 1-D blocks and is skipped like any bias, although its stored ndim is 2.
-        if p.dim() - (layout.batch_dims if layout is not None else 0) >= min_dim
-    )
+        if p.dim() - (layout.batch_dims if layout is not None else 0) < min_dim:
+            continue
+        if head is not None and layout is None:
+            key = _tensor_key(p, head, mode)
+            how = _CHECKED.get(key) if key is not None else None
+            if how is not None:
+                steps.append((how, p, init_fn, args, kwargs, name))
+                continue
+        steps.extend(plan_requests((Request(p, layout, None, init_fn, args, kwargs, name),)))
+    return steps
 
 
 #: Unpacked plain tensors whose every check passed, by everything those checks read (see _checked_key),
@@ -97,31 +113,29 @@ _PLAIN_VALUES = (int, float, str, bool, type(None))
 def _checked_key(req: Request) -> tuple[object, ...] | None:
     """For an unpacked plain tensor and a torch.nn.init function with plain-valued arguments: everything
     ``make_plan(req, full=True)`` and ``route`` read (the name only goes into messages); else None."""
-    fn, p = req.init_fn, req.tensor
-    if req.chunks is not None or req.dim is not None or type(p) not in PLAIN_TYPES or p.layout != torch.strided:
+    if req.chunks is not None or req.dim is not None:
         return None
+    head = _call_key(req.init_fn, req.args, req.kwargs)
+    return _tensor_key(req.tensor, head, torch.is_inference_mode_enabled()) if head is not None else None
+
+
+def _tensor_key(p: Tensor, head: tuple[object, ...], mode: bool) -> tuple[object, ...] | None:
+    """:func:`_checked_key` from its two parts: the call's (:func:`_call_key`) and the tensor's."""
+    if type(p) not in PLAIN_TYPES or p.layout != torch.strided:
+        return None
+    return (head, type(p), p.shape, p.stride(), p.dtype, p.device, p.is_inference(), mode)
+
+
+def _call_key(fn: object, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[object, ...] | None:
+    """The function and its arguments with their types, for :func:`_checked_key`; None unless a torch.nn.init
+    function with plain-valued arguments."""
     if type(fn) is not types.FunctionType or fn not in TORCH_FNS:
         return None
-    if req.args or req.kwargs:
-        values = (*req.args, *req.kwargs.values())
-        if not all(type(v) in _PLAIN_VALUES for v in values):
-            return None
-        args: object = tuple((type(v), v) for v in req.args)
-        kwargs: object = tuple((k, type(v), v) for k, v in req.kwargs.items())
-    else:
-        args = kwargs = ()
-    return (
-        fn,
-        args,
-        kwargs,
-        type(p),
-        p.shape,
-        p.stride(),
-        p.dtype,
-        p.device,
-        p.is_inference(),
-        torch.is_inference_mode_enabled(),
-    )
+    if not args and not kwargs:
+        return (fn,)
+    if not all(type(v) in _PLAIN_VALUES for v in (*args, *kwargs.values())):
+        return None
+    return (fn, tuple((type(v), v) for v in args), tuple((k, type(v), v) for k, v in kwargs.items()))
 
 
 def plan_requests(reqs: Iterable[Request]) -> list[Step]:
@@ -154,10 +168,13 @@ def plan_requests(reqs: Iterable[Request]) -> list[Step]:
     return steps
 
 
-def run_steps(steps: Sequence[Step], scratch: Scratch | None = None) -> None:
+def run_steps(steps: Sequence[Step | LeanStep], scratch: Scratch | None = None) -> None:
     """Write what :func:`plan_steps` validated, in order, sharing one scratch buffer."""
     scratch = scratch or Scratch()
     for step in steps:
+        if isinstance(step, tuple):
+            call(*step)
+            continue
         req = step.req
         if step.dtensor is not None:
             write_planned(step.dtensor, scratch)
@@ -212,6 +229,15 @@ def _init_own(
         return
     lays = own_layouts(module, ancestors)
     prefix = type(module).__name__
+    head = _call_key(init_fn, args, kwargs) if not lays else None
+    if head is not None:  # nothing packed: where an equal parameter passed every check of each one, just call
+        mode = torch.is_inference_mode_enabled()
+        hows = [_CHECKED.get(_tensor_key(p, head, mode) or ()) for _, p in own]
+        if None not in hows:
+            for (n, p), how in zip(own, hows, strict=True):
+                assert how is not None  # checked just above, before the first write
+                call(how, p, init_fn, args, kwargs, f"{prefix}.{n}")
+            return
     entries = [(f"{prefix}.{n}", p, lays.get(id(p))) for n, p in own]
     run_steps(plan_steps(entries, init_fn, args, kwargs))
 
@@ -299,7 +325,8 @@ def init_model(
 
     Order: parameters in ``model.named_parameters()`` order, blocks in block order,
     all from one RNG stream. On CPU the result is bit-identical to the plain loop
-    run on the separate logical tensors.
+    run on the separate logical tensors (on transposed storage, for functions i.i.d.
+    per element given the fans, the separate tensors in their stored orientation).
 
     Filters replace the hand-written ``apply`` callback: ``modules`` keeps the
     parameters of modules of those types (and of their submodules), ``params`` the
