@@ -27,7 +27,6 @@ from .plan import Plan, rejected
 from .traits import (
     TORCH_FNS,
     UNIFORM_FNS,
-    DirectDraw,
     base,
     compute_dtype,
     convertible,
@@ -144,10 +143,6 @@ class _Where(NamedTuple):
     from_logical: tuple[tuple[int, ...], tuple[int, ...]]
 
 
-#: Elements per band of a banded transposed draw: a (band, in) slab and its transpose stay in L2.
-_BAND = 1 << 18
-
-
 def _copy_transposed(dst: Tensor, logical: Tensor, scratch: Scratch) -> None:
     """``dst.copy_(logical.t())`` for a strided ``(in, out)`` destination.
 
@@ -163,30 +158,6 @@ def _copy_transposed(dst: Tensor, logical: Tensor, scratch: Scratch) -> None:
     tmp = scratch.flat(rows * cols, logical.dtype, logical.device, slot=1)[: rows * cols].view(cols, rows)
     tmp.copy_(logical.t())
     dst.copy_(tmp)
-
-
-def _draw_banded(dst: Tensor, block: LogicalBlock, d: DirectDraw, plan: Plan, scratch: Scratch) -> bool:
-    """Draw a block in bands of logical rows and write each band transposed while in cache; False: not possible.
-
-    ``dst`` is the ``(in, out)`` storage view whose column ``r`` is logical row ``r``. Bands
-    drawn in row order hold exactly what one draw of the whole block would where
-    :func:`~packedinit.traits.joins` allows it: always for ``uniform_``; for ``normal_`` when
-    every band but the last is a multiple of 16 elements (the engine tests check it bit for bit).
-    """
-    rows, cols = block.shape
-    step = max(1, min(rows, _BAND // max(cols, 1)))
-    if d[0] == "normal":
-        while step < rows and (step * cols) % 16:
-            step += 1
-        if step < rows and (step * cols) % 16:
-            return False
-    band = scratch.flat(step * cols, dst.dtype, dst.device)
-    for r in range(0, rows, step):
-        n = min(step, rows - r)
-        b = band[: n * cols].view(n, cols)
-        draw(b, d, plan.generator)
-        _copy_transposed(dst[:, r : r + n], b, scratch)
-    return True
 
 
 @functools.lru_cache(maxsize=4096)
@@ -302,15 +273,7 @@ class LocalSink:
                 return
             # storage (in, groups, size) with one of groups/size 1: logical row r is column r
             columns = self.tiled and len(block.shape) == 2 and (layout.groups == 1 or sshape[2] == 1)
-            d = plan.direct[block.index]
             target = (dst[:, 0, :] if layout.groups == 1 else dst[:, :, 0]) if columns else dst
-            if columns and self.cpu and d is not None and same and not target.is_contiguous():
-                # a column slab: draw in bands that stay in cache (a whole contiguous target takes one
-                # transposing copy below, which is cheaper)
-                self.direct = True
-                if _draw_banded(target, block, d, plan, scratch):
-                    return
-                self.direct = False
             buf = scratch.flat(block.numel, cdt, tensor.device).as_strided(block.shape, g.contiguous)
             res = plan.call(fn, buf)
             if columns and res.dim() == 2:
