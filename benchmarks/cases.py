@@ -21,6 +21,7 @@ from packedinit.layout import LogicalBlock
 __all__ = [
     "Case",
     "Kind",
+    "Idiom",
     "TensorSpec",
     "Materialized",
     "build_cases",
@@ -34,6 +35,8 @@ __all__ = [
 #: view or not contiguous (dim-1 splits, transposed, interleaved); overhead: many tiny
 #: tensors (per-call cost); model: a whole nn.Module.
 Kind = Literal["contiguous", "scratch", "overhead", "model"]
+#: How a model case is initialised: ``chunked(f)(model)``, ``model.apply(chunked(f))`` or ``init_model(model, f)``.
+Idiom = Literal["chunked", "apply", "init_model"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class Case:
     scale: int = 0
     model: Callable[[], nn.Module] | None = field(default=None, compare=False)
     model_params: int = 0
+    idiom: Idiom = "chunked"
 
     @property
     def is_model(self) -> bool:
@@ -331,6 +335,27 @@ def _gpt2(d: int, layers: int, vocab: int, positions: int) -> Case:
     )
 
 
+def _linears(n: int, side: int, idiom: Idiom) -> Case:
+    def make() -> nn.Module:
+        with torch.device("meta"):  # built without torch's default init; materialised empty
+            model = nn.Sequential(*[nn.Linear(side, side) for _ in range(n)])
+        return model.to_empty(device="cpu")
+
+    how = {"chunked": "chunked(f)(model)", "apply": "model.apply(chunked(f))", "init_model": "init_model(model, f)"}
+    return Case(
+        f"model_linear{n}x{side}_{idiom}",
+        "model",
+        f"nn.Sequential of {n} nn.Linear({side}, {side}) through {how[idiom]}: per-parameter cost",
+        scale=side,
+        model=make,
+        model_params=n * side * side,
+        idiom=idiom,
+    )
+
+
+IDIOMS: tuple[Idiom, ...] = ("chunked", "apply", "init_model")
+
+
 def build_cases(smoke: bool = False) -> list[Case]:
     """Every case, at full size or (``smoke=True``) at tiny sizes that run in milliseconds."""
     if smoke:
@@ -348,6 +373,7 @@ def build_cases(smoke: bool = False) -> list[Case]:
             _small(50, 16, 2),
             _encoder(32, 2, 4),
             _gpt2(32, 2, 128, 64),
+            *(_linears(20, 8, idiom) for idiom in IDIOMS),
         ]
     return [
         _mha(1024),
@@ -368,6 +394,7 @@ def build_cases(smoke: bool = False) -> list[Case]:
         _small(10_000, 64, 2),
         _encoder(768, 12, 12),
         _gpt2(768, 12, 16384, 1024),
+        *(_linears(n, 64, idiom) for n in (2_000, 10_000) for idiom in IDIOMS),
     ]
 
 

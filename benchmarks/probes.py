@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["peak_memory", "count_ops", "count_kernels", "memory_method"]
+__all__ = ["peak_memory", "count_ops", "count_launches", "count_kernels", "memory_method"]
 
 Thunk = Callable[[], object]
 
@@ -111,6 +111,40 @@ class _OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
 def count_ops(fn: Thunk) -> int:
     """Number of ATen ops one call of ``fn`` dispatches (views and factories included)."""
     counter = _OpCounter()
+    with counter:
+        fn()
+    return counter.count
+
+
+_NO_KERNEL = frozenset({"empty", "empty_strided", "empty_like", "detach", "lift_fresh"})
+
+
+class _LaunchCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's mode class is untyped
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's mode class is untyped
+        self.count = 0
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        name = func.__name__.split(".")[0]
+        if not func.is_view and name not in _NO_KERNEL:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_launches(fn: Thunk) -> int:
+    """Number of ATen ops one call of ``fn`` dispatches that compute: no views, no allocations.
+
+    On a GPU each is (at least) one kernel launch; this counts them on any device, so the
+    plan packedinit makes for a CUDA tensor can be counted on a CPU stand-in (see
+    :mod:`benchmarks.device_plan`).
+    """
+    counter = _LaunchCounter()
     with counter:
         fn()
     return counter.count

@@ -143,7 +143,8 @@ def markdown(env: dict[str, Any], rows: Sequence[dict[str, Any]], plot_name: str
     counts = "launches plain / chunked" if cuda else "ops plain / chunked"
     head = (
         "| case | dtype | fn | elements | plain | chunked | chunked/plain | naive/plain | timm/plain "
-        f"| chunked GB/s | % of fill_ | fill_ GB/s | chunked peak mem | {counts} | n | target |"
+        f"| chunked GB/s | % of fill_ | fill_ GB/s | chunked peak mem | {counts} "
+        "| compute ops plain / CPU plan / CUDA plan (blocks) | n | target |"
     )
     sep = "|" + "---|" * (head.count("|") - 1)
     measured = [r for r in rows if r["status"] in ("ok", "error")]  # skipped/unsupported: listed below
@@ -171,6 +172,16 @@ def markdown(env: dict[str, Any], rows: Sequence[dict[str, Any]], plot_name: str
     return "\n".join(out).rstrip() + "\n"
 
 
+def _launches(plain: dict[str, Any] | None, ch: dict[str, Any] | None, blocks: int) -> str:
+    """Compute ops (a kernel launch each on a GPU) of plain, of packedinit's CPU plan and of its CUDA plan."""
+
+    def get(v: dict[str, Any] | None, key: str) -> str:
+        return "-" if v is None or v.get(key) is None else str(v[key])
+
+    tail = f" ({blocks})" if blocks else ""
+    return f"{get(plain, 'launches')} / {get(ch, 'launches')} / {get(ch, 'device_launches')}{tail}"
+
+
 def _row_line(r: dict[str, Any], cuda: bool) -> str:
     plain, ch, fill = _v(r, "plain"), _v(r, "chunked"), _v(r, "fill")
     key = "kernels" if cuda else "ops"
@@ -193,6 +204,7 @@ def _row_line(r: dict[str, Any], cuda: bool) -> str:
         _fmt_num(fill["gbps"]) if fill else "-",
         fmt_bytes(ch.get("peak_mem_bytes")) if ch else "-",
         f"{count(plain)} / {count(ch)}",
+        _launches(plain, ch, r.get("blocks", 0)),
         str(r.get("repeats", 0)),
         _target_cell(r),
     ]

@@ -5,8 +5,9 @@ interleaved repeats:
 
 - ``plain``: the init fn on each whole tensor (lower bound: the same RNG work), or for a
   model the usual ``for p in model.parameters(): if p.dim() > 1: f(p)`` loop;
-- ``chunked``: ``packedinit.chunked_init(t, layout, None, f)`` per tensor, or
-  ``packedinit.chunked(f)(model)``;
+- ``chunked``: ``packedinit.chunked_init(t, layout, None, f)`` per tensor, or for a model
+  ``packedinit.chunked(f)(model)`` (``model.apply(chunked(f))`` or ``init_model(model, f)`` for
+  cases of those idioms);
 - ``naive``: the init fn called on each block's view directly (a per-head loop when a block
   is interleaved and has no single view), what users write by hand;
 - ``timm``: one ``uniform_``/``normal_`` over the whole packed tensor with the per-block
@@ -32,8 +33,9 @@ import packedinit
 from packedinit import chunked_init
 
 from .cases import Case, Materialized, materialize, naive_views
+from .device_plan import device_plan
 from .metrics import Target, gbps, iqr, median, paired_ratio, pct_of_roofline, target_for
-from .probes import count_kernels, count_ops, peak_memory
+from .probes import count_kernels, count_launches, count_ops, peak_memory
 from .timing import Clock, Samples, calibrate, clock_for, run_interleaved
 
 __all__ = ["FNS", "DTYPES", "VARIANTS", "Config", "VariantResult", "Row", "build_variants", "bench_row", "run_all"]
@@ -91,6 +93,10 @@ class VariantResult:
     peak_mem_bytes: int | None = None
     ops: int | None = None
     kernels: int | None = None
+    #: ops that compute (no views, no allocations): a kernel launch each on a GPU
+    launches: int | None = None
+    #: ``launches`` of the plan packedinit makes for a CUDA tensor, computed on a CPU stand-in (chunked only)
+    device_launches: int | None = None
 
 
 @dataclass
@@ -114,6 +120,7 @@ class Row:
     seconds: float = 0.0
     variants: dict[str, VariantResult] = field(default_factory=dict)
     target: dict[str, Any] | None = None
+    blocks: int = 0  # logical blocks written by one chunked call
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (NaN becomes ``None``)."""
@@ -182,9 +189,15 @@ def build_variants(m: Materialized, fn_name: str, with_copy: bool = True) -> dic
                     fn(p)
 
         wrapped = packedinit.chunked(fn)
+        idiom = m.case.idiom
 
         def chunked_model() -> None:
-            wrapped(model)
+            if idiom == "apply":
+                model.apply(wrapped)
+            elif idiom == "init_model":
+                packedinit.init_model(model, fn)
+            else:
+                wrapped(model)
 
         out["plain"] = plain_model
         out["chunked"] = chunked_model
@@ -264,7 +277,7 @@ def bench_row(m: Materialized, fn_name: str, dtype_name: str, cfg: Config, clock
     case, device = m.case, m.device
     row = _new_row(case, fn_name, dtype_name, device, m)
     t0 = time.perf_counter()
-    tgt = target_for(case.kind, fn_name, max((t.numel() for t in m.tensors), default=0), case.scale)
+    tgt = target_for(case.kind, fn_name, max((t.numel() for t in m.tensors), default=0), case.scale, case.name)
     if fn_name == "orthogonal_" and max((t.numel() for t in m.tensors), default=0) > cfg.ortho_max_numel:
         row.status = "skipped"
         row.note = f"orthogonal_ is O(n^3): a tensor exceeds --ortho-max-numel {cfg.ortho_max_numel}"
@@ -320,10 +333,15 @@ def bench_row(m: Materialized, fn_name: str, dtype_name: str, cfg: Config, clock
                 continue
             try:
                 ops = row.variants[name].ops = count_ops(v)
+                row.variants[name].launches = count_launches(v)
                 if device.type == "cuda" and ops <= cfg.kernels_max_ops:  # profiler post-processing is slow
                     row.variants[name].kernels = count_kernels(v, device)
             except Exception as e:  # counting is best-effort; say why it is missing
                 row.variants[name].note = f"counts unavailable: {type(e).__name__}: {e}"
+        if "chunked" in thunks and first_call.get("chunked", 0.0) <= cfg.counts_max_call_s:
+            stand_in, row.blocks = device_plan(m, FNS[fn_name])
+            stand_in()  # warm, as the chunked variant is when it is counted
+            row.variants["chunked"].device_launches = count_launches(stand_in)
     number: dict[str, int] = {}
     for name, v in thunks.items():
         if first_call[name] > 10 * cfg.min_sample_s:

@@ -1,8 +1,9 @@
 """The front door: ``chunked_init`` and ``chunked``, dispatching tensor vs DTensor vs module.
 
 Plan first (pure, validated, nothing written), then apply: see :mod:`packedinit.plan` and
-:mod:`packedinit.execute`. An unpacked tensor (``chunks=None`` or ``chunks=1``) takes a
-lean path: the init function is called on the tensor itself, exactly as a plain call would.
+:mod:`packedinit.execute`. An unpacked tensor (``chunks=None`` or ``chunks=1``) takes the
+lean path where :func:`packedinit.lean.route` says so: the init function is called on the
+tensor itself, exactly as a plain call would.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from torch import Tensor, nn
 
 from .chunks import Chunks
 from .errors import PackedInitError
-from .execute import PLAIN_TYPES, lean_call, lean_flags, lean_ok
 from .layout import Layout, is_int
+from .lean import PLAIN_TYPES, TORCH, lean_call, route
 from .marks import param_layout
 from .plan import InitSpec, Request
 from .run import run
@@ -43,7 +44,11 @@ def chunked_init(
     ``orthogonal_``, ``eye_``, ``dirac_``, ``sparse_``) compute the fans of the
     block, not of the packed tensor. Blocks are filled in block order from one
     RNG stream: on CPU the result is bit-identical to initialising the separate
-    logical tensors one after another with the same seed, then packing them.
+    logical tensors one after another with the same seed, then packing them. On
+    transposed storage a function whose values are i.i.d. per element given the
+    fans (``uniform_``, ``normal_``, ``trunc_normal_``, ``xavier_*``, ``kaiming_*``,
+    ``constant_``...) draws each block in its stored ``(in, out)`` order with the
+    block's own fans: the separate tensors are then in their stored orientation.
 
     For ``nn.MultiheadAttention.in_proj_weight`` of shape :math:`(3E, E)`,
     ``xavier_uniform_`` on the packed tensor draws from
@@ -90,10 +95,11 @@ def chunked_init(
     """
     if chunks is None and dim is None and isinstance(tensor, nn.Parameter):
         chunks = param_layout(tensor)  # annotated by packedinit.annotate: per block
-    if chunks is None and dim is None and type(tensor) in PLAIN_TYPES and lean_ok(init_fn, init_kwargs, tensor):
-        lean_call(tensor, init_fn, args, init_kwargs)  # type: ignore[arg-type]  # lean_ok: a torch.nn.init function
-    else:
-        run(Request(tensor, chunks, dim, init_fn, args, init_kwargs))
+    plain = chunks is None and dim is None and type(tensor) in PLAIN_TYPES
+    if plain and route(tensor, init_fn, args, init_kwargs, first=True) == TORCH:
+        lean_call(tensor, init_fn, args, init_kwargs)  # type: ignore[arg-type]  # route: a torch.nn.init function
+        return tensor
+    run(Request(tensor, chunks, dim, init_fn, args, init_kwargs))
     return tensor
 
 
@@ -171,9 +177,6 @@ def chunked(
         raise PackedInitError(f"chunked(init_fn=...) needs a function, got {type(init_fn).__name__}.")
     chunks = _check_chunks_arg(chunks, dim)
     unset = chunks is None and dim is None
-    lean = lean_flags(init_fn) if unset else None
-    fast = lean is not None  # the lean path of _run_single, inlined: an unpacked tensor and a torch.nn.init function
-    skip_empty, takes_generator = lean if lean is not None else (False, False)
     tensor_types = PLAIN_TYPES
 
     @functools.wraps(init_fn)
@@ -183,9 +186,9 @@ def chunked(
             if layout is not None:
                 run(Request(target, layout, None, init_fn, args, kwargs))
                 return target
-        if fast and type(target) in tensor_types and (takes_generator or not kwargs or "generator" not in kwargs):
-            if not (skip_empty and target.numel() == 0):
-                lean_call(target, init_fn, args, kwargs)
+        lean = unset and type(target) in tensor_types and route(target, init_fn, args, kwargs, first=True) == TORCH
+        if lean:  # the lean path: init_fn on the tensor as it is
+            lean_call(target, init_fn, args, kwargs)
             return target
         if isinstance(target, nn.Module):
             # `model.apply(chunked(f))` calls us once per submodule: then each call owns only

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from .errors import PackedInitError
 from .execute import LocalSink, Scratch, execute, fill_block
 from .layout import LogicalBlock, fmt_shape
+from .orient import fill_stored, stored_order, stored_shape
 from .plan import Plan, Request, Where, check_tensor, make_plan
 
 if TYPE_CHECKING:
@@ -224,8 +225,13 @@ class ShardSink:
         target = None if self.ranges is None else _block_target(plan, block, self.local, self.ranges)
         if target is None and not plan.draws(fn):
             return  # draws nothing: no need to generate what this rank does not hold
-        buf = scratch.get(block.shape, plan.dtype, self.local.device)
-        fill_block(plan, block, fn, buf)
+        if stored_order(plan.layout, fn, plan.direct[block.index]):  # as the local engine draws it
+            stored = scratch.get(stored_shape(block), plan.dtype, self.local.device)
+            fill_stored(plan, block, fn, stored)
+            buf = stored.transpose(0, 1)
+        else:
+            buf = scratch.get(block.shape, plan.dtype, self.local.device)
+            fill_block(plan, block, fn, buf)
         if target is not None:
             _copy(plan, block, buf, target)
 

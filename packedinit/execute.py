@@ -6,42 +6,34 @@ a small :class:`Sink`: :class:`LocalSink` writes a plain tensor (in place where 
 logical view is contiguous, through the scratch buffer and a tiled transposing copy
 otherwise); :mod:`packedinit.distributed` adds a sink that keeps one rank's shard.
 
-:func:`run_whole` is the lean path for an unpacked tensor: the init function is called on
-the tensor itself, exactly as a plain call would, with errors turned into PackedInitError.
+:mod:`packedinit.lean` holds the lean path for an unpacked tensor (the init function called on
+the tensor itself, exactly as a plain call would).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import types
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from .layout import Layout, LogicalBlock, fmt_shape
-from .plan import INFERENCE_FIX, Plan, Request, Where, check_tensor, inference_refused, rejected
+from .layout import Layout, LogicalBlock
+from .lean import PLAIN_TYPES
+from .orient import draws_in_place, row_major, stored_order, write_stored
+from .plan import Plan, rejected
 from .traits import (
-    GENERATOR_OK,
-    LEAN,
-    LOW_PRECISION,
-    REJECTIONS,
     TORCH_FNS,
     TORCH_INIT,
     UNIFORM_FNS,
-    DirectDraw,
     base,
-    check_fn_dtype,
-    check_values,
     compute_dtype,
     convertible,
     draw,
-    fn_name,
     hashable_in,
     joins,
-    normal_merges,
 )
 
 __all__ = [
@@ -51,15 +43,10 @@ __all__ = [
     "LocalSink",
     "execute",
     "fill_block",
-    "run_whole",
-    "lean_call",
-    "lean_flags",
-    "lean_ok",
     "PLAIN_TYPES",
 ]
 
 _init = TORCH_INIT  # torch's own functions, also while fix_torch_defaults replaces torch.nn.init's names
-PLAIN_TYPES = (Tensor, nn.Parameter)
 
 
 class Scratch:
@@ -164,10 +151,6 @@ class _Where(NamedTuple):
     from_logical: tuple[tuple[int, ...], tuple[int, ...]]
 
 
-#: Elements per band of a banded transposed draw: a (band, in) slab and its transpose stay in L2.
-_BAND = 1 << 18
-
-
 def _copy_transposed(dst: Tensor, logical: Tensor, scratch: Scratch) -> None:
     """``dst.copy_(logical.t())`` for a strided ``(in, out)`` destination.
 
@@ -185,43 +168,6 @@ def _copy_transposed(dst: Tensor, logical: Tensor, scratch: Scratch) -> None:
     dst.copy_(tmp)
 
 
-def _draw_banded(dst: Tensor, block: LogicalBlock, d: DirectDraw, plan: Plan, scratch: Scratch) -> bool:
-    """Draw a block in bands of logical rows and write each band transposed while in cache; False: not possible.
-
-    ``dst`` is the ``(in, out)`` storage view whose column ``r`` is logical row ``r``. Bands
-    drawn in row order hold exactly what one draw of the whole block would where
-    :func:`~packedinit.traits.normal_merges` allows it: always for ``uniform_``; for ``normal_`` when
-    every band but the last is a multiple of 16 elements and the last has at least 16.
-    """
-    rows, cols = block.shape
-    step = max(1, min(rows, _BAND // max(cols, 1)))
-    if d[0] == "normal":
-        while step < rows and (step * cols) % 16:
-            step += 1
-        last = rows % step or step
-        if step < rows and not normal_merges([step * cols] * (rows // step - (last == step)) + [last * cols]):
-            return False
-    band = scratch.flat(step * cols, dst.dtype, dst.device)
-    for r in range(0, rows, step):
-        n = min(step, rows - r)
-        b = band[: n * cols].view(n, cols)
-        draw(b, d, plan.generator)
-        _copy_transposed(dst[:, r : r + n], b, scratch)
-    return True
-
-
-def _row_major(t: Tensor) -> bool:
-    """Whether walking ``t`` in memory order visits its elements in row-major order (no overlap)."""
-    extent = 1
-    for size, stride in reversed(list(zip(t.shape, t.stride(), strict=True))):
-        if size == 1:
-            continue
-        if stride < extent:
-            return False
-        extent = stride * size
-    return True
-
-
 @functools.lru_cache(maxsize=4096)
 def _geometry(layout: Layout, shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[_Where, ...]:
     """Per block, where it lives, computed once on meta tensors (pure, cached)."""
@@ -231,7 +177,7 @@ def _geometry(layout: Layout, shape: tuple[int, ...], stride: tuple[int, ...]) -
         logical = torch.empty(block.shape, device="meta")
         lv = layout.logical_view(meta, block)
         inplace = lv is not None and lv.is_contiguous()
-        ordered = lv is not None and not inplace and not layout.transposed and _row_major(lv)
+        ordered = lv is not None and not inplace and not layout.transposed and row_major(lv)
         sv = layout.storage_view(meta, block)
         ts = layout.to_storage(logical, block, len(shape))
         out.append(
@@ -331,7 +277,19 @@ class LocalSink:
         return view is not None and view.is_contiguous()
 
     def touches(self, plan: Plan, block: LogicalBlock, fn: Callable[..., Tensor]) -> bool:
+        if compute_dtype(fn, self.tensor.dtype) == self.tensor.dtype and stored_order(
+            self.layout, fn, plan.direct[block.index]
+        ):
+            return draws_in_place(plan, block, self._storage(block), self.cpu)
         return self._in_place(block, fn)
+
+    def _storage(self, block: LogicalBlock) -> Tensor:
+        """The block's storage view in the tensor."""
+        g = self.geometry[block.index] if self.geometry is not None else None
+        if g is None:
+            return self.layout.storage_view(self.tensor, block)
+        sshape, sstride, soff = g.storage
+        return self.tensor.as_strided(sshape, sstride, self.offset + soff)
 
     def write(self, plan: Plan, block: LogicalBlock, fn: Callable[..., Tensor], scratch: Scratch) -> None:
         tensor, layout = self.tensor, self.layout
@@ -349,15 +307,12 @@ class LocalSink:
                 return
             sshape, sstride, soff = g.storage
             dst = tensor.as_strided(sshape, sstride, self.offset + soff)
+            if same and stored_order(layout, fn, plan.direct[block.index]):  # no transposing copy
+                write_stored(plan, block, fn, dst, scratch, self.cpu)
+                return
             # storage (in, groups, size) with one of groups/size 1: logical row r is column r
             columns = self.tiled and len(block.shape) == 2 and (layout.groups == 1 or sshape[2] == 1)
-            d = plan.direct[block.index]
             target = (dst[:, 0, :] if layout.groups == 1 else dst[:, :, 0]) if columns else dst
-            # a column slab: draw in bands that stay in cache (a whole contiguous target takes one
-            # transposing copy below, which is cheaper)
-            banded = columns and self.cpu and d is not None and same and not target.is_contiguous()
-            if banded and d is not None and _draw_banded(target, block, d, plan, scratch):
-                return
             buf = scratch.flat(block.numel, cdt, tensor.device).as_strided(block.shape, g.contiguous)
             res = plan.call(fn, buf)
             if columns and res.dim() == 2:
@@ -366,6 +321,9 @@ class LocalSink:
                 dst.copy_(res.as_strided(*g.from_logical))
             else:
                 dst.copy_(layout.to_storage(res, block, self.ndim))
+            return
+        if same and stored_order(layout, fn, plan.direct[block.index]):
+            write_stored(plan, block, fn, layout.storage_view(tensor, block), scratch, self.cpu)
             return
         view = layout.logical_view(tensor, block) if same else None
         if view is not None and view.is_contiguous():
@@ -424,131 +382,3 @@ def execute(plan: Plan, sink: Sink, scratch: Scratch | None = None) -> None:
             written = True
     finally:
         torch._C._set_grad_enabled(grad)
-
-
-# -- the lean path: one block that is the whole tensor ---------------------------------------------------
-def lean_call(
-    tensor: Tensor,
-    fn: Callable[..., Tensor],
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-    param: str | None = None,
-) -> None:
-    """Call a torch.nn.init function on the whole tensor as it is (the lean path).
-
-    Those functions check their input before they write and use no_grad themselves; a
-    rejection becomes PackedInitError (also an instance of the error torch raised). An
-    inference tensor outside inference mode is refused first: torch would write it (and
-    draw) before it refuses.
-    """
-    if tensor.is_inference() and not torch.is_inference_mode_enabled():
-        raise inference_refused(tensor, param)
-    try:
-        fn(tensor, *args, **kwargs)
-    except Exception as e:
-        if not _lean_failed(Request(tensor, None, None, fn, args, kwargs, param), fn, e):
-            raise
-
-
-def _lean_failed(req: Request, fn: Callable[..., Tensor], e: Exception) -> bool:
-    """A torch.nn.init function raised on the lean path: raise PackedInitError when it means bad input.
-
-    Returns True when the error is to be ignored (a zero-element tensor: nothing to fill),
-    False when the caller re-raises the original (e.g. out of memory, or an inference
-    tensor outside inference mode: torch writes it before it refuses).
-    """
-    tensor = req.tensor
-    if tensor.numel() == 0:
-        return True
-    if not convertible(e, True):
-        return False
-    if tensor.is_inference() and not torch.is_inference_mode_enabled():
-        if hasattr(e, "add_note"):  # Python >= 3.11
-            e.add_note(f"packedinit: {INFERENCE_FIX}")
-        return False
-    where = str(Where(req.param, tensor.shape))
-    gen = req.kwargs.get("generator")
-    check_tensor(tensor, gen if isinstance(gen, torch.Generator) else None, where)
-    check_fn_dtype(tensor.dtype, fn, where)
-    raise rejected(where, None, fn, e, wrote_nothing=True) from e
-
-
-def lean_flags(fn: object) -> tuple[bool, bool] | None:
-    """For a torch.nn.init function the lean path calls as it is: (skip zero-element tensors, takes generator=)."""
-    try:
-        flags: tuple[bool, bool] | None = LEAN.get(fn)  # type: ignore[call-overload]  # any hashable object
-    except TypeError:  # an unhashable callable
-        return None
-    return flags
-
-
-def lean_ok(fn: object, kwargs: Mapping[str, Any], tensor: Tensor) -> bool:
-    """Whether ``fn(tensor, **kwargs)`` on a whole unpacked tensor may be exactly the plain call."""
-    flags = lean_flags(fn)
-    if flags is None or (flags[0] and tensor.numel() == 0):
-        return False
-    return flags[1] or "generator" not in kwargs
-
-
-def run_whole(req: Request, fn: Callable[..., Tensor]) -> bool:
-    """The lean path for one block that is the whole tensor: call ``fn`` on it directly.
-
-    Returns False when the general path must handle it (orthogonal_ that needs a
-    float32/contiguous scratch, generator= that needs care, a user function on meta,
-    a dtype or argument the general checks must refuse before any write).
-    """
-    tensor, kwargs = req.tensor, req.kwargs
-    is_torch = type(fn) is types.FunctionType and fn in TORCH_FNS
-    if is_torch:
-        if not _lean_safe(tensor, fn):
-            return False
-        if req.args or kwargs:  # torch checks some arguments only after it has drawn or written
-            check_values(fn, req.args, kwargs, Where(req.param, tensor.shape))
-    lean = lean_flags(fn)
-    if lean is not None and (lean[1] or not kwargs or "generator" not in kwargs):
-        if lean[0] and tensor.numel() == 0:
-            return True
-        lean_call(tensor, fn, req.args, kwargs, req.param)
-        return True
-    if is_torch:
-        if fn is _init.orthogonal_ or fn is _init.trunc_normal_:
-            dtype = tensor.dtype
-            if dtype.is_complex or (fn is _init.orthogonal_ and not tensor.is_contiguous()):
-                return False
-        if kwargs and "generator" in kwargs and fn not in GENERATOR_OK:
-            return False
-        if tensor.numel() == 0:
-            return True
-        lean_call(tensor, fn, req.args, kwargs, req.param)
-        return True
-    if tensor.is_meta or (kwargs and "generator" in kwargs):
-        return False
-    if tensor.numel() == 0:
-        return True
-    if tensor.is_inference() and not torch.is_inference_mode_enabled():
-        raise inference_refused(tensor, req.param)
-    try:
-        with torch.no_grad():
-            out = fn(tensor, *req.args, **kwargs)
-            if out is not tensor and isinstance(out, Tensor):
-                if out.shape != tensor.shape:
-                    raise ValueError(
-                        f"{fn_name(fn)} returned a tensor of shape {fmt_shape(out.shape)}; an init function "
-                        f"must fill its argument in place or return a tensor of the same shape"
-                    )
-                tensor.copy_(out)
-    except REJECTIONS as e:
-        where = str(Where(req.param, tensor.shape))
-        raise rejected(where, None, fn, e, wrote_nothing=False) from e
-    return True
-
-
-_SAFE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-
-
-def _lean_safe(tensor: Tensor, fn: Callable[..., Tensor]) -> bool:
-    """Whether torch's own checks cover this call before it writes (else the general path checks first)."""
-    if tensor.dtype in LOW_PRECISION and fn is _init.orthogonal_:
-        return False
-    # float8, complex, integers: the general path refuses or handles them up front
-    return tensor.dtype in _SAFE_DTYPES or fn not in LEAN or fn in (_init.constant_, _init.ones_, _init.zeros_)

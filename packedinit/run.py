@@ -5,15 +5,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .chunks import Chunks, as_layout
 from .distributed import init_dtensor
-from .execute import PLAIN_TYPES, LocalSink, Scratch, execute, run_whole
+from .execute import LocalSink, Scratch, execute
 from .keys import request_key
-from .layout import Layout
+from .lean import GENERAL, PLAIN_TYPES, call, route, whole
 from .plan import Plan, Request, cacheable, make_plan
 from .traits import DirectDraw, draw, is_dtensor
 
-__all__ = ["run", "is_whole"]
+__all__ = ["run"]
 
 #: Per request key (:func:`packedinit.keys.request_key`: every field of the request, holding no caller
 #: object), what writing such a tensor takes: the merged direct draws (storage offset, length, draw)
@@ -24,26 +23,6 @@ _PROGRAMS: dict[tuple[object, ...], _Runs | Plan] = {}
 _PROGRAMS_MAX = 4096
 
 
-def is_whole(req: Request) -> bool:
-    """Whether ``chunks``/``dim`` make one block that is the tensor as stored (raises if they don't fit).
-
-    ``None`` and ``1`` always do (the call is then exactly ``init_fn(tensor)``); an explicit
-    one-part Layout or ``[n]`` only for a contiguous tensor (a separate tensor is contiguous).
-    """
-    chunks: Chunks | None = req.chunks
-    tensor, dim = req.tensor, req.dim
-    if chunks is None or (type(chunks) is int and chunks == 1):
-        nd = tensor.dim()
-        return (dim is None or (type(dim) is int and -nd <= dim < nd)) and (chunks is None or nd > 0)
-    # one explicit part: the whole tensor; the same draws as a separate tensor only when contiguous
-    if isinstance(chunks, Layout):
-        if chunks.num_parts != 1 or chunks.transposed or chunks.batch_dims:
-            return False
-    elif not (type(chunks) in (list, tuple) and len(chunks) == 1):  # type: ignore[arg-type]  # a list or tuple
-        return False
-    return as_layout(chunks, dim, tensor.shape, param=req.param) is not None and tensor.is_contiguous()
-
-
 def run(req: Request, scratch: Scratch | None = None) -> None:
     """Initialise ``req.tensor`` as ``req`` says (the engine behind chunked_init, chunked and the model walk).
 
@@ -52,8 +31,11 @@ def run(req: Request, scratch: Scratch | None = None) -> None:
     tensor, fn = req.tensor, req.init_fn
     key = None
     if type(tensor) in PLAIN_TYPES:
-        if callable(fn) and is_whole(req) and run_whole(req, fn):
-            return
+        if callable(fn) and whole(tensor, req.chunks, req.dim, req.param):
+            how = route(tensor, fn, req.args, req.kwargs, req.param)
+            if how != GENERAL:
+                call(how, tensor, fn, req.args, req.kwargs, req.param)
+                return
         key = request_key(req)
         prog = _PROGRAMS.get(key) if key is not None else None
         if prog is not None:

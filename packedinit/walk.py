@@ -19,6 +19,7 @@ from __future__ import annotations
 import fnmatch
 import re
 import sys
+import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
@@ -31,10 +32,11 @@ from .chunks import Chunks
 from .claims import own_layouts, resolve
 from .distributed import DTensorPlan, plan_dtensor, write_planned
 from .errors import PackedInitError, packed_error
-from .execute import LocalSink, RngState, Scratch, execute, run_whole
+from .execute import LocalSink, RngState, Scratch, execute
 from .layout import Layout
+from .lean import GENERAL, PLAIN_TYPES, call, route
 from .plan import Plan, Request, make_plan
-from .traits import fn_name, is_dtensor
+from .traits import TORCH_FNS, fn_name, is_dtensor
 
 __all__ = [
     "init_model",
@@ -47,6 +49,7 @@ __all__ = [
     "plan_requests",
     "run_steps",
     "Step",
+    "LeanStep",
 ]
 
 _APPLY_CODE = nn.Module.apply.__code__
@@ -59,7 +62,12 @@ class Step:
     req: Request
     plan: Plan | None = None
     dtensor: DTensorPlan | None = None
-    lean: bool = False  # an unpacked plain tensor: init_fn may be called on it directly
+    lean: int = GENERAL  # an unpacked plain tensor: what packedinit.lean.route decided for it
+
+
+#: A write of an unpacked tensor whose checks an equal one passed: ``lean.call``'s arguments
+#: (route, tensor, fn, args, kwargs, name).
+LeanStep: TypeAlias = tuple[int, Tensor, Callable[..., Tensor], tuple[Any, ...], Mapping[str, Any], str | None]
 
 
 def plan_steps(
@@ -69,24 +77,74 @@ def plan_steps(
     kwargs: Mapping[str, Any],
     *,
     min_dim: int = 2,
-) -> list[Step]:
+) -> list[Step | LeanStep]:
     """Validate every entry with ``dim >= min_dim`` before anything is written; return what to write, in order.
 
     Every tensor gets every check of its own (its memory, dtype, generator device); the
     dry run of ``init_fn`` on each distinct block shape is cached, so validating a large
-    model costs little more than one check per parameter.
+    model costs little more than one check per parameter. An unpacked tensor whose checks an
+    equal one passed (see :func:`_checked_key`) is not planned again.
     """
-    return plan_requests(
-        Request(p, layout, None, init_fn, args, kwargs, name)
-        for name, p, layout in entries
+    head = _call_key(init_fn, args, kwargs)
+    mode = torch.is_inference_mode_enabled()
+    steps: list[Step | LeanStep] = []
+    for name, p, layout in entries:
         # A layout's batch dims index independent blocks: a stacked (n_experts, 2I) bias holds
         # 1-D blocks and is skipped like any bias, although its stored ndim is 2.
-        if p.dim() - (layout.batch_dims if layout is not None else 0) >= min_dim
-    )
+        if p.dim() - (layout.batch_dims if layout is not None else 0) < min_dim:
+            continue
+        if head is not None and layout is None:
+            key = _tensor_key(p, head, mode)
+            how = _CHECKED.get(key) if key is not None else None
+            if how is not None:
+                steps.append((how, p, init_fn, args, kwargs, name))
+                continue
+        steps.extend(plan_requests((Request(p, layout, None, init_fn, args, kwargs, name),)))
+    return steps
+
+
+#: Unpacked plain tensors whose every check passed, by everything those checks read (see _checked_key),
+#: with what packedinit.lean.route decided for them. Only torch.nn.init functions with plain-valued
+#: arguments: the key keeps no caller's object alive. Bounded; cleared when full.
+_CHECKED: dict[tuple[object, ...], int] = {}
+_CHECKED_MAX = 4096
+_PLAIN_VALUES = (int, float, str, bool, type(None))
+
+
+def _checked_key(req: Request) -> tuple[object, ...] | None:
+    """For an unpacked plain tensor and a torch.nn.init function with plain-valued arguments: everything
+    ``make_plan(req, full=True)`` and ``route`` read (the name only goes into messages); else None."""
+    if req.chunks is not None or req.dim is not None:
+        return None
+    head = _call_key(req.init_fn, req.args, req.kwargs)
+    return _tensor_key(req.tensor, head, torch.is_inference_mode_enabled()) if head is not None else None
+
+
+def _tensor_key(p: Tensor, head: tuple[object, ...], mode: bool) -> tuple[object, ...] | None:
+    """:func:`_checked_key` from its two parts: the call's (:func:`_call_key`) and the tensor's."""
+    if type(p) not in PLAIN_TYPES or p.layout != torch.strided:
+        return None
+    return (head, type(p), p.shape, p.stride(), p.dtype, p.device, p.is_inference(), mode)
+
+
+def _call_key(fn: object, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[object, ...] | None:
+    """The function and its arguments with their types, for :func:`_checked_key`; None unless a torch.nn.init
+    function with plain-valued arguments."""
+    if type(fn) is not types.FunctionType or fn not in TORCH_FNS:
+        return None
+    if not args and not kwargs:
+        return (fn,)
+    if not all(type(v) in _PLAIN_VALUES for v in (*args, *kwargs.values())):
+        return None
+    return (fn, tuple((type(v), v) for v in args), tuple((k, type(v), v) for k, v in kwargs.items()))
 
 
 def plan_requests(reqs: Iterable[Request]) -> list[Step]:
-    """Validate every request before anything is written; return the steps that write, in order."""
+    """Validate every request before anything is written; return the steps that write, in order.
+
+    An unpacked tensor whose checks an equal one already passed (same shape, strides, dtype,
+    device, function and arguments) is not checked again: the checks read nothing else.
+    """
     steps: list[Step] = []
     for req in reqs:
         p, layout = req.tensor, req.chunks
@@ -94,13 +152,24 @@ def plan_requests(reqs: Iterable[Request]) -> list[Step]:
             # every check now, so that the whole model stays all-or-nothing; written by the distributed path
             steps.append(Step(req, dtensor=plan_dtensor(req)))
             continue
+        key = _checked_key(req)
+        how = _CHECKED.get(key) if key is not None else None
+        if how is not None:  # an equal tensor passed every check (only written ones are kept)
+            steps.append(Step(req, lean=how))
+            continue
         plan = make_plan(req, full=True)
         if plan is not None and not p.is_meta and p.numel():
-            steps.append(Step(req, plan=plan, lean=layout is None and req.dim is None))
+            unpacked = layout is None and req.dim is None and callable(req.init_fn)
+            how = route(p, req.init_fn, req.args, req.kwargs, req.param) if unpacked else GENERAL
+            steps.append(Step(req, plan=plan, lean=how))
+            if key is not None and how != GENERAL:
+                if len(_CHECKED) >= _CHECKED_MAX:
+                    _CHECKED.clear()
+                _CHECKED[key] = how
     return steps
 
 
-def run_steps(steps: Sequence[Step], scratch: Scratch | None = None) -> None:
+def run_steps(steps: Sequence[Step | LeanStep], scratch: Scratch | None = None) -> None:
     """Write what :func:`plan_steps` validated, in order, sharing one scratch buffer.
 
     When some function could not be tried on meta (it reads values: the dry run proved
@@ -109,26 +178,30 @@ def run_steps(steps: Sequence[Step], scratch: Scratch | None = None) -> None:
     stays all-or-nothing.
     """
     scratch = scratch or Scratch()
-    if len(steps) > 1 and any(s.plan is not None and not s.plan.verified for s in steps):
+    if len(steps) > 1 and any(not isinstance(s, tuple) and s.plan is not None and not s.plan.verified for s in steps):
         _run_undoable(steps, scratch)
         return
     _run(steps, scratch)
 
 
-def _run(steps: Sequence[Step], scratch: Scratch) -> None:
+def _run(steps: Sequence[Step | LeanStep], scratch: Scratch) -> None:
     for step in steps:
+        if isinstance(step, tuple):
+            call(*step)
+            continue
+        req = step.req
         if step.dtensor is not None:
             write_planned(step.dtensor, scratch)
+        elif step.lean != GENERAL:
+            call(step.lean, req.tensor, req.init_fn, req.args, req.kwargs, req.param)  # type: ignore[arg-type]
         elif step.plan is not None:
-            fn = step.req.init_fn
-            if not (step.lean and callable(fn) and run_whole(step.req, fn)):
-                execute(step.plan, LocalSink(step.req.tensor, step.plan.layout), scratch)
+            execute(step.plan, LocalSink(req.tensor, step.plan.layout), scratch)
 
 
-def _run_undoable(steps: Sequence[Step], scratch: Scratch) -> None:
-    tensors = [s.req.tensor for s in steps]
+def _run_undoable(steps: Sequence[Step | LeanStep], scratch: Scratch) -> None:
+    tensors = [s[1] if isinstance(s, tuple) else s.req.tensor for s in steps]
     backups = [t.detach().clone() for t in tensors]
-    plan = next(s.plan for s in steps if s.plan is not None)
+    plan = next(s.plan for s in steps if not isinstance(s, tuple) and s.plan is not None)
     rng = RngState(tensors[0].device, plan.generator)
     try:
         _run(steps, scratch)
@@ -195,6 +268,15 @@ def _init_own(
         return
     lays = own_layouts(module, ancestors)
     prefix = type(module).__name__
+    head = _call_key(init_fn, args, kwargs) if not lays else None
+    if head is not None:  # nothing packed: where an equal parameter passed every check of each one, just call
+        mode = torch.is_inference_mode_enabled()
+        hows = [_CHECKED.get(_tensor_key(p, head, mode) or ()) for _, p in own]
+        if None not in hows:
+            for (n, p), how in zip(own, hows, strict=True):
+                assert how is not None  # checked just above, before the first write
+                call(how, p, init_fn, args, kwargs, f"{prefix}.{n}")
+            return
     entries = [(f"{prefix}.{n}", p, lays.get(id(p))) for n, p in own]
     run_steps(plan_steps(entries, init_fn, args, kwargs))
 
@@ -282,7 +364,8 @@ def init_model(
 
     Order: parameters in ``model.named_parameters()`` order, blocks in block order,
     all from one RNG stream. On CPU the result is bit-identical to the plain loop
-    run on the separate logical tensors.
+    run on the separate logical tensors (on transposed storage, for functions i.i.d.
+    per element given the fans, the separate tensors in their stored orientation).
 
     Filters replace the hand-written ``apply`` callback: ``modules`` keeps the
     parameters of modules of those types (and of their submodules), ``params`` the

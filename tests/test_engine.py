@@ -235,12 +235,60 @@ def kinds(e: int = 8, d: int = 2, nh: int = 4, nkv: int = 2, nexp: int = 3, inte
     ]
 
 
+#: Functions drawn in stored orientation on transposed storage (packedinit.orient): i.i.d. per element given the fans.
+STORED = frozenset(
+    {init.uniform_, init.normal_, init.trunc_normal_, init.xavier_uniform_, init.xavier_normal_}
+    | {init.kaiming_uniform_, init.kaiming_normal_, init.constant_, init.ones_, init.zeros_}
+)
+
+
+def unwrap(fn: Callable[..., Tensor]) -> tuple[Callable[..., Tensor], dict[str, Any]]:
+    """A partial (of a partial) of a function: the function and the keywords bound."""
+    kw: dict[str, Any] = {}
+    while isinstance(fn, functools.partial):
+        kw = {**fn.keywords, **kw}
+        fn = fn.func
+    return fn, kw
+
+
+def is_stored(kind: Kind, fn: Callable[..., Tensor]) -> bool:
+    """Whether ``kind`` is stored transposed and ``fn`` is drawn in stored orientation there."""
+    chunks = kind.call.get("chunks")
+    return isinstance(chunks, Layout) and chunks.transposed and any(unwrap(fn)[0] is f for f in STORED)
+
+
+def in_stored_order(fn: Callable[..., Tensor], shape: Shape, dtype: torch.dtype, **kw: Any) -> Tensor:
+    """torch's ``fn`` on a separate tensor of the block's stored shape ``(in, out)``, with the logical
+    block's fans; returned as its logical ``(out, in)`` view. The uniform family is called on that view
+    (CPU uniform_ fills in memory order), kaiming_normal_ on the stored tensor with the mode swapped."""
+    t = torch.empty((shape[1], shape[0], *shape[2:]), dtype=dtype)
+    base, bound = unwrap(fn)
+    kw = {**bound, **kw}
+    if base in (init.uniform_, init.xavier_uniform_, init.kaiming_uniform_):
+        base(t.transpose(0, 1), **kw)
+    elif base is init.kaiming_normal_:
+        base(t, **{**kw, "mode": {"fan_in": "fan_out", "fan_out": "fan_in"}[kw.get("mode", "fan_in")]})
+    else:
+        base(t, **kw)
+    return t.transpose(0, 1)
+
+
 def separate(
-    fn: Callable[..., Tensor], shapes: list[Shape], dtype: torch.dtype = torch.float32, **kw: Any
+    fn: Callable[..., Tensor],
+    shapes: list[Shape],
+    dtype: torch.dtype = torch.float32,
+    stored: bool = False,
+    **kw: Any,
 ) -> list[Tensor]:
-    """Initialise separate tensors of ``shapes`` one after another (the reference)."""
+    """Initialise separate tensors of ``shapes`` one after another (the reference).
+
+    ``stored``: each in its stored orientation (:func:`in_stored_order`), as logical views.
+    """
     out = []
     for s in shapes:
+        if stored:
+            out.append(in_stored_order(fn, s, dtype, **kw))
+            continue
         t = torch.empty(s, dtype=dtype)
         res = fn(t, **kw)
         out.append(res if isinstance(res, Tensor) else t)
@@ -278,10 +326,13 @@ SEED = 1234
 
 
 def reference(kind: Kind, fn: Callable[..., Tensor], kw: dict[str, Any]) -> Tensor | None:
-    """Separate tensors initialised in block order from SEED, packed by hand; None if fn rejects a block."""
+    """Separate tensors initialised in block order from SEED, packed by hand; None if fn rejects a block.
+
+    On transposed storage the separate tensors of functions in STORED are in their stored orientation.
+    """
     torch.manual_seed(SEED)
     try:
-        return kind.pack(separate(fn, kind.shapes, **kw))
+        return kind.pack(separate(fn, kind.shapes, stored=is_stored(kind, fn), **kw))
     except ValueError:
         return None
 
@@ -623,7 +674,7 @@ def test_user_written_functions(kind: Kind, fname: str, fn: Callable[..., Tensor
             out = fn(t, **kw)
         return out if isinstance(out, Tensor) else t
 
-    want = reference(kind, plain, {})
+    want = reference(kind, fn, kw) if is_stored(kind, fn) else reference(kind, plain, {})
     assert want is not None
     w = kind.make()
     torch.manual_seed(SEED)
@@ -923,7 +974,8 @@ def test_speed_paths_are_bit_identical_past_their_thresholds(
         return fn(t, **k)
 
     torch.manual_seed(SEED)
-    want = kind.pack(separate(ref_fn, kind.shapes, dtype=dtype, **kw))
+    stored = is_stored(kind, fn)
+    want = kind.pack(separate(fn if stored else ref_fn, kind.shapes, dtype=dtype, stored=stored, **kw))
     w = kind.make().to(dtype)
     torch.manual_seed(SEED)
     chunked_init(w, init_fn=fn, **kind.call, **kw)
