@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from .layout import Layout, LogicalBlock, fmt_shape
 from .plan import INFERENCE_FIX, Plan, Request, Where, check_tensor, rejected
+from .torch_compat import set_grad_enabled
 from .traits import (
     GENERATOR_OK,
     LEAN,
@@ -366,7 +367,7 @@ def execute(plan: Plan, sink: Sink, scratch: Scratch | None = None) -> None:
         return
     scratch = scratch or Scratch()
     grad = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(False)  # torch.no_grad() without the context-manager overhead
+    set_grad_enabled(False)  # torch.no_grad() without the context-manager overhead
     try:
         backup = sink.backup() if not plan.verified and len(todo) > 1 else None
         rng = RngState(sink.device, plan.generator) if backup is not None else None
@@ -397,7 +398,7 @@ def execute(plan: Plan, sink: Sink, scratch: Scratch | None = None) -> None:
                 raise
             written = True
     finally:
-        torch._C._set_grad_enabled(grad)
+        set_grad_enabled(grad)
 
 
 # -- the lean path: one block that is the whole tensor ---------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from .layout import Layout
+from .torch_compat import param_dict
 
 __all__ = ["ANNOTATIONS", "MARK", "stamp", "annotations_of", "param_layout", "has_annotations"]
 
@@ -68,7 +69,7 @@ def stamp(owner: nn.Module, new: Mapping[str, Layout | None]) -> None:
     owner.__dict__[ANNOTATIONS] = _Annotations({**old, **new}, owner)
     _register(owner)
     for leaf, layout in new.items():
-        p = owner._parameters.get(leaf)
+        p = param_dict(owner).get(leaf)
         if p is not None:
             p.__dict__[MARK] = layout if layout is not None else False
 
@@ -97,7 +98,7 @@ def param_layout(p: Tensor) -> Layout | None:
             owners = list(_owners)
         for m in owners:
             for leaf, layout in annotations_of(m).items():
-                if m._parameters.get(leaf) is p:
+                if param_dict(m).get(leaf) is p:
                     mark = layout if layout is not None else False
                     break
             if mark is not False:

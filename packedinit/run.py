@@ -10,6 +10,7 @@ from .distributed import init_dtensor
 from .execute import PLAIN_TYPES, LocalSink, Scratch, execute, run_whole
 from .layout import Layout
 from .plan import Plan, Request, cacheable, make_plan, request_key, typed
+from .torch_compat import set_grad_enabled
 from .traits import DirectDraw, draw, is_dtensor
 
 __all__ = ["run", "is_whole"]
@@ -92,9 +93,9 @@ def _replay(prog: _Runs | Plan, tensor: Tensor, scratch: Scratch | None) -> None
         return
     offset = tensor.storage_offset()
     grad = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(False)
+    set_grad_enabled(False)
     try:
         for start, n, d, gen in prog:
             draw(tensor.as_strided((n,), (1,), offset + start), d, gen)
     finally:
-        torch._C._set_grad_enabled(grad)
+        set_grad_enabled(grad)

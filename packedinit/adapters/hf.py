@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from ..errors import PackedInitError
 from ..layout import Layout
 from ..registry import register
+from ..torch_compat import module_dict, param_dict
 from .fused import fused_gate_up, fused_qkv
 
 __all__ = ["experts_layouts"]
@@ -34,8 +35,8 @@ def _tensor(module: nn.Module, name: str) -> Tensor | None:
     *path, leaf = name.split(".")
     owner: nn.Module | None = module
     for part in path:
-        owner = owner._modules.get(part) if owner is not None else None
-    return owner._parameters.get(leaf) if owner is not None else None
+        owner = module_dict(owner).get(part) if owner is not None else None
+    return param_dict(owner).get(leaf) if owner is not None else None
 
 
 def _fit(module: nn.Module, layouts: Mapping[str, Layout]) -> dict[str, Layout]:
