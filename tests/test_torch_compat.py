@@ -138,7 +138,8 @@ def test_module_dicts_are_the_live_stores() -> None:
     w = tc.param_dict(m)["weight"]
     tc.param_dict(m)["weight"] = nn.Parameter(torch.full((3,), 2.0))
     try:
-        assert m.weight is not w and m.weight.tolist() == [2.0, 2.0, 2.0]
+        assert m.weight is not w
+        assert m.weight.tolist() == [2.0, 2.0, 2.0]
     finally:
         tc.param_dict(m)["weight"] = w
     assert m.weight is w
@@ -146,7 +147,8 @@ def test_module_dicts_are_the_live_stores() -> None:
 
 def test_is_lazy_matches_the_public_lazy_method() -> None:
     lazy, plain = nn.LazyLinear(3), nn.Linear(2, 3)
-    assert tc.is_lazy(lazy) and not tc.is_lazy(plain)
+    assert tc.is_lazy(lazy)
+    assert not tc.is_lazy(plain)
     assert callable(getattr(lazy, "has_uninitialized_params", None))  # the documented fallback exists
     assert getattr(plain, "has_uninitialized_params", None) is None
 
@@ -181,7 +183,8 @@ def test_fill_padding_idx_zeroes_the_padding_row() -> None:
     tc.fill_padding_idx(e)
     assert e.weight[2].tolist() == [0.0, 0.0, 0.0]
     assert e.weight[1].tolist() == [1.0, 1.0, 1.0]
-    assert e.weight.requires_grad and e.weight.grad_fn is None
+    assert e.weight.requires_grad
+    assert e.weight.grad_fn is None
 
 
 def test_apply_ancestors_sees_the_apply_chain_and_nothing_else() -> None:

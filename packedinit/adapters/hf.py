@@ -229,7 +229,9 @@ def _gpt_bigcode_attention(module: nn.Module) -> Mapping[str, Layout]:
 @register(f"{_M}.codegen.modeling_codegen.CodeGenAttention")
 def _codegen_attention(module: nn.Module) -> Mapping[str, Layout]:
     """``qkv.view(..., mp_num, 3 * local_dim)``, then ``query, value, key = qkv.split(local_dim, -1)``."""
-    e, mp = _int(module, "embed_dim"), _int(module, "mp_num")
+    # transformers 5.20 and older (checked 5.20.2, the newest on Python 3.10) hard-code ``mp_num = 4`` in
+    # the forward, with the same split; later versions keep it as ``self.mp_num``.
+    e, mp = _int(module, "embed_dim"), (_int(module, "mp_num") if hasattr(module, "mp_num") else 4)
     if e % mp:
         raise PackedInitError(f"CodeGenAttention: embed_dim={e} is not a multiple of mp_num={mp}.")
     local = e // mp
