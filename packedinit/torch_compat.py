@@ -85,9 +85,9 @@ def written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> It
 def custom_shard_order(tensor: Any, placements: Any) -> Any | None:
     """A DTensor's shard order when it is not the default left-to-right one, else ``None``.
 
-    ``DTensor._spec.shard_order`` and ``DTensorSpec.compute_default_shard_order``: read when
-    present; torch versions without them (2.6.0, 2.13.0) have only the default order, which is
-    what ``None`` says. Checked on 2.6.0, 2.13.0, 2.15.0. No public fallback.
+    ``DTensor._spec.shard_order`` and ``DTensorSpec.compute_default_shard_order``: present on
+    2.13.0 and 2.15.0; torch 2.6.0 has neither and only the default order, which is what ``None``
+    says there. Checked on 2.6.0, 2.13.0, 2.15.0. No public fallback.
     """
     spec = getattr(tensor, "_spec", None)
     order = getattr(spec, "shard_order", None)
@@ -193,7 +193,7 @@ def apply_ancestors(module: nn.Module, depth: int = 1) -> list[nn.Module] | None
     this function's caller the call from ``apply`` is (1: the caller itself was called by
     ``apply``). ``sys._getframe`` (CPython) on ``nn.Module.apply.__code__``, whose body is
     ``for m in self.children(): m.apply(fn)`` then ``fn(self)``: checked on 2.6.0, 2.13.0,
-    2.15.0 with CPython 3.10-3.13. Public fallback: ``inspect.currentframe()`` (slower, same frames).
+    2.15.0 (CPython 3.10, 3.11, 3.13). Public fallback: ``inspect.currentframe()`` (slower, same frames).
     """
     f: FrameType | None = sys._getframe(depth + 1)
     if f is None or f.f_code is not _APPLY_CODE or f.f_locals.get("self") is not module:

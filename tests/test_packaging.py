@@ -76,7 +76,7 @@ def test_the_torch_floor_is_the_oldest_torch_ci_runs() -> None:
 
 def test_the_sdist_ships_what_the_tests_read() -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    include = set(config["tool"]["hatch"]["build"]["targets"]["sdist"]["include"])
+    include = {p.lstrip("/") for p in config["tool"]["hatch"]["build"]["targets"]["sdist"]["include"]}
     read_by_tests = {"packedinit", "tests", "docs", "benchmarks", ".ci", "README.md", "pyproject.toml"}
     assert read_by_tests - {"pyproject.toml"} <= include  # hatch always ships pyproject.toml
     assert {"LICENSE", "CHANGELOG.md"} <= include
