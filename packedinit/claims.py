@@ -20,6 +20,7 @@ from .marks import ANNOTATIONS, has_annotations, stamp
 from .marks import annotations_of as stored_annotations
 from .parametrized import parametrized_original
 from .registry import adapter_name, ensure_builtins, key_name, lookup
+from .torch_compat import module_dict, param_dict
 
 __all__ = ["layouts", "annotate", "annotations_of", "resolve", "own_layouts"]
 
@@ -48,11 +49,11 @@ def _own_param(module: nn.Module, name: str) -> Tensor | None:
     owner = module
     *mods, leaf = name.split(".")
     for m in mods:
-        sub = owner._modules.get(m)
+        sub = module_dict(owner).get(m)
         if sub is None:
             return None
         owner = sub
-    found = owner._parameters.get(leaf)
+    found = param_dict(owner).get(leaf)
     return found if found is not None else parametrized_original(owner, leaf, name)
 
 
@@ -143,7 +144,7 @@ def resolve(model: nn.Module) -> list[tuple[str, Tensor, Layout | None]]:
     order: dict[int, tuple[str, Tensor]] = {}
     claimed: dict[int, list[_Claim]] = {}
     for prefix, m in model.named_modules():
-        params = m._parameters
+        params = param_dict(m)
         if params:
             dot = prefix + "." if prefix else ""
             for name, p in params.items():
@@ -248,7 +249,7 @@ def annotate(module: Mod, **param_layouts: Layout | None) -> Mod:
             owner = module.get_submodule(".".join(mods)) if mods else module
             stamps.setdefault(id(owner), (owner, {}))[1][leaf] = layout
     else:
-        owners = {id(p): (m, n) for m in module.modules() for n, p in m._parameters.items() if p is not None}
+        owners = {id(p): (m, n) for m in module.modules() for n, p in param_dict(m).items() if p is not None}
         for _, p, layout in resolve(module):
             if layout is not None:
                 owner, leaf = owners[id(p)]
@@ -278,7 +279,7 @@ def own_layouts(module: nn.Module, ancestors: Sequence[nn.Module]) -> dict[int, 
     ]
     if not sources:
         return {}
-    own = {id(p): n for n, p in module._parameters.items() if p is not None}
+    own = {id(p): n for n, p in param_dict(module).items() if p is not None}
     claimed: dict[int, list[_Claim]] = {}
     for i, m in sources:
         where = f"{'the' if i == 0 else 'an ancestor'} {type(m).__name__} module"

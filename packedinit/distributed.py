@@ -37,6 +37,7 @@ from .execute import LocalSink, Scratch, execute, fill_block
 from .layout import LogicalBlock, fmt_shape
 from .orient import fill_stored, stored_order, stored_shape
 from .plan import Plan, Request, Where, check_tensor, make_plan
+from .torch_compat import buffer_dict, custom_shard_order, param_dict
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -161,16 +162,13 @@ def _local_ranges(tensor: DTensor, where: str) -> list[range] | None:
         )
     if len(set(sharded_dims)) != len(sharded_dims):
         # A dim sharded over several mesh dims: only the default (left-to-right) order is mapped.
-        spec = getattr(tensor, "_spec", None)  # private: DTensorSpec, where torch keeps shard_order
-        order = getattr(spec, "shard_order", None)
-        if spec is not None and order is not None:
-            default = type(spec).compute_default_shard_order(placements)
-            if tuple(order) != tuple(default):
-                raise PackedInitError(
-                    f"{where}: placements {placements} shard one dim over several mesh dims in the order "
-                    f"{order}, not the default left-to-right order; packedinit maps only the default order. "
-                    f"Initialise before re-ordering the sharding."
-                )
+        order = custom_shard_order(tensor, placements)
+        if order is not None:
+            raise PackedInitError(
+                f"{where}: placements {placements} shard one dim over several mesh dims in the order "
+                f"{order}, not the default left-to-right order; packedinit maps only the default order. "
+                f"Initialise before re-ordering the sharding."
+            )
     coord = mesh.get_coordinate()
     if coord is None:
         return None
@@ -343,7 +341,7 @@ def global_params(module: nn.Module) -> Iterator[None]:
     from torch.distributed.tensor import DTensor
 
     found: list[tuple[bool, str, DTensor, Tensor, list[range] | None]] = []
-    for is_param, store in ((True, module._parameters), (False, module._buffers)):
+    for is_param, store in ((True, param_dict(module)), (False, buffer_dict(module))):
         for name, t in store.items():
             if isinstance(t, DTensor):
                 where = _where(f"{type(module).__name__}.{name}", t.shape)
@@ -364,7 +362,7 @@ def global_params(module: nn.Module) -> Iterator[None]:
         yield
         with torch.no_grad():
             for is_param, name, _, local, ranges in found:
-                now = (module._parameters if is_param else module._buffers).get(name)
+                now = (param_dict(module) if is_param else buffer_dict(module)).get(name)
                 if ranges is not None and not local.is_meta and isinstance(now, Tensor):
                     local.copy_(_slice(now, ranges))
     finally:
@@ -374,9 +372,9 @@ def global_params(module: nn.Module) -> Iterator[None]:
 def _swap(module: nn.Module, items: Sequence[tuple[bool, str, Tensor]]) -> None:
     for is_param, name, t in items:
         if is_param:
-            module._parameters[name] = t  # type: ignore[assignment]  # a Parameter, or the DTensor parameter back
+            param_dict(module)[name] = t  # a Parameter, or the DTensor parameter back
         else:
-            module._buffers[name] = t
+            buffer_dict(module)[name] = t
 
 
 def _slice(t: Tensor, ranges: Sequence[range]) -> Tensor:

@@ -24,6 +24,7 @@ from .layout import Layout, LogicalBlock
 from .lean import PLAIN_TYPES
 from .orient import draws_in_place, row_major, stored_order, write_stored
 from .plan import Plan, rejected
+from .torch_compat import set_grad_enabled
 from .traits import (
     TORCH_FNS,
     TORCH_INIT,
@@ -350,7 +351,7 @@ def execute(plan: Plan, sink: Sink, scratch: Scratch | None = None) -> None:
         return
     scratch = scratch or Scratch()
     grad = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(False)  # torch.no_grad() without the context-manager overhead
+    set_grad_enabled(False)  # torch.no_grad() without the context-manager overhead
     try:
         backup = sink.backup() if not plan.verified and len(todo) > 1 else None
         rng = RngState(sink.device, plan.generator) if backup is not None else None
@@ -381,4 +382,4 @@ def execute(plan: Plan, sink: Sink, scratch: Scratch | None = None) -> None:
                 raise
             written = True
     finally:
-        torch._C._set_grad_enabled(grad)
+        set_grad_enabled(grad)

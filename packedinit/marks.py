@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from .errors import PackedInitError
 from .layout import Layout, fmt_shape
+from .torch_compat import param_dict
 
 __all__ = ["ANNOTATIONS", "MARK", "stamp", "annotations_of", "param_layout", "has_annotations"]
 
@@ -120,7 +121,7 @@ def param_layout(p: Tensor) -> Layout | None:
         anns = m.__dict__.get(ANNOTATIONS) if m is not None else None
         if not anns:
             continue
-        params = m._parameters  # type: ignore[union-attr]  # m is not None where anns is set
+        params = param_dict(m)  # type: ignore[arg-type]  # m is not None where anns is set
         for leaf in tuple(anns):
             if params.get(leaf) is p:
                 found.append((m, leaf, anns.get(leaf)))  # type: ignore[arg-type]  # as above

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .rng import global_restored
+from .torch_compat import TorchDispatchMode, buffer_dict, non_persistent_buffers, param_dict, storage_id, written_args
 from .traits import TORCH_INIT  # torch's own functions, also while fix_torch_defaults() replaces them
 
 __all__ = [
@@ -44,7 +44,7 @@ __all__ = [
 
 def storage_key(t: Tensor) -> int:
     """One key per storage: a tensor, its views and its ``.data`` share it (meta tensors included)."""
-    return int(t.untyped_storage()._cdata)
+    return storage_id(t)
 
 
 class WriteRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves __init_subclass__ untyped
@@ -62,11 +62,9 @@ class WriteRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        for i, arg in enumerate(func._schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                value = args[i] if i < len(args) else kwargs.get(arg.name)
-                if isinstance(value, Tensor):
-                    self.written.add(storage_key(value))
+        for value in written_args(func, args, kwargs):
+            if isinstance(value, Tensor):
+                self.written.add(storage_key(value))
         return func(*args, **kwargs)
 
 
@@ -152,7 +150,7 @@ def meta_stand_ins(model: nn.Module) -> Iterator[StandIns]:
     found = StandIns()
     try:
         for m in model.modules():
-            stores: tuple[dict[str, Any], ...] = (m._parameters, m._buffers)
+            stores: tuple[dict[str, Any], ...] = (param_dict(m), buffer_dict(m))
             for store in stores:
                 for name, t in list(store.items()):
                     if t is None:
@@ -290,7 +288,7 @@ def uncovered_message(module: nn.Module, covered: set[int]) -> str | None:
     parts = [f"{n!r} (shape {shape(p)}, in {type(owner_of(n)).__name__})" for n, p in params]
     persistent: set[str] = set()
     for prefix, m in module.named_modules():
-        kept = (b for b in m._buffers if b not in m._non_persistent_buffers_set)
+        kept = (b for b in buffer_dict(m) if b not in non_persistent_buffers(m))
         persistent.update(f"{prefix}.{b}" if prefix else b for b in kept)
     parts += [
         f"buffer {n!r} (shape {shape(b)}, {'persistent' if n in persistent else 'non-persistent'}, "
@@ -347,7 +345,7 @@ def globalize(
         held = holders.get(id(t), [])
         if len(held) > 1:
             first, name = held[0]
-            shared = first._parameters.get(name, first._buffers.get(name))
+            shared = param_dict(first).get(name, buffer_dict(first).get(name))
             for m, n in held[1:]:
-                store: dict[str, Any] = m._parameters if n in m._parameters else m._buffers
+                store: dict[str, Any] = param_dict(m) if n in param_dict(m) else buffer_dict(m)
                 store[n] = shared  # the global stand-in of the same tensor

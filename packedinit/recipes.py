@@ -47,6 +47,7 @@ from .plan import InitSpec, Request
 from .rng import generator_as_default
 from .run import run
 from .ties import later_holders, without_later_ties
+from .torch_compat import RESET_METHOD, ConvNd, fill_padding_idx, is_lazy, mha_in_proj_packed, private_reset
 from .traits import is_dtensor
 from .walk import init_tree, plan_requests, run_steps
 
@@ -92,7 +93,7 @@ def reset_multihead_attention(m: nn.MultiheadAttention, generator: torch.Generat
     Same draws in the same order as torch's method; only the bound of ``in_proj_weight`` changes.
     """
     kw: dict[str, Any] = {"generator": generator} if generator is not None else {}
-    if m._qkv_same_embed_dim:
+    if mha_in_proj_packed(m):
         if m.in_proj_weight is not None:
             layout = Layout(0, (m.embed_dim,) * 3, names=QKV)
             run(Request(m.in_proj_weight, layout, None, xavier_uniform_, (), kw, "in_proj_weight"))
@@ -118,7 +119,7 @@ def reset_transformer(m: nn.Module, generator: torch.Generator | None = None) ->
     init_tree(m, xavier_uniform_, (), kw)
 
 
-def _reset_linear_or_conv(m: nn.Linear | nn.modules.conv._ConvNd, generator: torch.Generator | None) -> None:
+def _reset_linear_or_conv(m: nn.Linear | ConvNd, generator: torch.Generator | None) -> None:
     """``Linear.reset_parameters`` / ``_ConvNd.reset_parameters``, through the engine (generator, DTensor)."""
     kw: dict[str, Any] = {"generator": generator} if generator is not None else {}
     w = m.weight
@@ -142,7 +143,7 @@ def _reset_recurrent(m: nn.RNNBase | nn.RNNCellBase, generator: torch.Generator 
 def _reset_embedding(m: nn.Embedding, generator: torch.Generator | None) -> None:
     kw: dict[str, Any] = {"generator": generator} if generator is not None else {}
     run(Request(m.weight, None, None, normal_, (), kw, "weight"))
-    _with_global_params(m, m._fill_padding_idx_with_zero)
+    _with_global_params(m, functools.partial(fill_padding_idx, m))
 
 
 def _with_global_params(m: nn.Module, step: Callable[[], None]) -> None:
@@ -166,7 +167,7 @@ def _with_global_params(m: nn.Module, step: Callable[[], None]) -> None:
 #: DTensor parameters go through the engine; used only where the class keeps that method.
 _REPLAYED: tuple[tuple[type[nn.Module], Callable[[Any, torch.Generator | None], None]], ...] = (
     (nn.Linear, _reset_linear_or_conv),
-    (nn.modules.conv._ConvNd, _reset_linear_or_conv),
+    (ConvNd, _reset_linear_or_conv),
     (nn.RNNBase, _reset_recurrent),
     (nn.RNNCellBase, _reset_recurrent),
     (nn.Embedding, _reset_embedding),
@@ -174,7 +175,7 @@ _REPLAYED: tuple[tuple[type[nn.Module], Callable[[Any, torch.Generator | None], 
 
 
 def _replay_for(m: nn.Module) -> Callable[[Any, torch.Generator | None], None] | None:
-    if isinstance(m, nn.modules.lazy.LazyModuleMixin):
+    if is_lazy(m):
         return None
     own = getattr(type(m), "reset_parameters", None)
     for cls, replay in _REPLAYED:
@@ -220,14 +221,14 @@ def _default_step(m: nn.Module, gen: torch.Generator | None) -> _Step | None:
         if not isinstance(m, base):
             continue
         covers = [p for p in m.parameters() if p.dim() > 1] if base is nn.Transformer else None
-        if getattr(type(m), "_reset_parameters", None) is getattr(base, "_reset_parameters", None):
+        if getattr(type(m), RESET_METHOD, None) is getattr(base, RESET_METHOD, None):
             # torch's default (or fix_torch_defaults'): per block
             if isinstance(m, nn.MultiheadAttention):
                 return _Step(m, functools.partial(reset_multihead_attention, m, gen), False, list(m.parameters(False)))
             return _Step(m, functools.partial(reset_transformer, m, gen), False, covers)
         if gen is not None:  # a subclass's own default init is respected, as construction ran it
             _check_routable(m, gen, _own_tensors(m))
-        return _Step(m, functools.partial(_with_global_params, m, m._reset_parameters), gen is not None, covers)
+        return _Step(m, functools.partial(_with_global_params, m, private_reset(m)), gen is not None, covers)
     if replay is not None:
         return _Step(m, functools.partial(replay, m, gen), False, list(m.parameters(recurse=False)))
     reset = getattr(m, "reset_parameters", None)

@@ -10,6 +10,7 @@ from .execute import LocalSink, Scratch, execute
 from .keys import request_key
 from .lean import GENERAL, PLAIN_TYPES, call, route, whole
 from .plan import Plan, Request, cacheable, make_plan
+from .torch_compat import set_grad_enabled
 from .traits import DirectDraw, draw, is_dtensor
 
 __all__ = ["run"]
@@ -76,9 +77,9 @@ def _replay(prog: _Runs | Plan, tensor: Tensor, gen: torch.Generator | None, scr
         return
     offset = tensor.storage_offset()
     grad = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(False)
+    set_grad_enabled(False)
     try:
         for start, n, d in prog:
             draw(tensor.as_strided((n,), (1,), offset + start), d, gen)
     finally:
-        torch._C._set_grad_enabled(grad)
+        set_grad_enabled(grad)

@@ -33,10 +33,11 @@ from torch import nn
 from . import init_calls
 from .errors import PackedInitError
 from .recipes import reset_multihead_attention, reset_transformer
+from .torch_compat import RESET_METHOD
 
 __all__ = ["TorchDefaultsFix", "fix_torch_defaults", "torch_defaults_fixed"]
 
-_METHOD = "_reset_parameters"
+_METHOD = RESET_METHOD
 
 #: Guards ``_active`` and the install/restore of the class attributes.
 _lock = threading.Lock()
@@ -49,7 +50,7 @@ _saved: dict[type[nn.Module], Callable[[nn.Module], None]] = {}
 
 def _mha_reset_parameters(self: nn.MultiheadAttention) -> None:
     """``MultiheadAttention._reset_parameters``, replaced by ``packedinit.fix_torch_defaults()``: q, k, v per block."""
-    if type(self)._reset_parameters is _mha_reset_parameters:
+    if getattr(type(self), _METHOD) is _mha_reset_parameters:
         reset_multihead_attention(self)
     else:  # reached through super() from a subclass's own method, written against torch's
         _saved[nn.MultiheadAttention](self)
@@ -57,7 +58,7 @@ def _mha_reset_parameters(self: nn.MultiheadAttention) -> None:
 
 def _transformer_reset_parameters(self: nn.Transformer) -> None:
     """``Transformer._reset_parameters``, replaced by ``packedinit.fix_torch_defaults()``: packed matrices per block."""
-    if type(self)._reset_parameters is _transformer_reset_parameters:
+    if getattr(type(self), _METHOD) is _transformer_reset_parameters:
         reset_transformer(self)
     else:  # reached through super() from a subclass's own method, written against torch's
         _saved[nn.Transformer](self)

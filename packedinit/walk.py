@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import fnmatch
 import re
-import sys
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any, TypeAlias
 
 import torch
@@ -36,6 +34,8 @@ from .execute import LocalSink, RngState, Scratch, execute
 from .layout import Layout
 from .lean import GENERAL, PLAIN_TYPES, call, route
 from .plan import Plan, Request, make_plan
+from .torch_compat import apply_ancestors as frames_from_apply
+from .torch_compat import param_dict
 from .traits import TORCH_FNS, fn_name, is_dtensor
 
 __all__ = [
@@ -51,9 +51,6 @@ __all__ = [
     "Step",
     "LeanStep",
 ]
-
-_APPLY_CODE = nn.Module.apply.__code__
-
 
 @dataclass(frozen=True)
 class Step:
@@ -236,24 +233,13 @@ def init_tree(
 def apply_ancestors(module: nn.Module, depth: int = 1) -> list[nn.Module] | None:
     """The modules ``nn.Module.apply`` is visiting ``module`` from, nearest first; ``None`` if not from apply.
 
-    This is the one place packedinit reads interpreter frames: ``nn.Module.apply(fn)`` calls
+    The frames are read in :mod:`packedinit.torch_compat` (versions checked there): ``nn.Module.apply(fn)`` calls
     ``fn(module)`` children first and passes nothing else, so an init function called from it
     cannot otherwise know that it owns only ``module``'s own parameters, nor which ancestors'
     adapters describe them. ``depth`` is how many frames above this function's caller the call
-    from ``apply`` is (1: the caller itself was called by ``apply``). Tested on torch 2.5-2.13,
-    where ``apply`` is ``for m in self.children(): m.apply(fn)`` then ``fn(self)``.
+    from ``apply`` is (1: the caller itself was called by ``apply``).
     """
-    f: FrameType | None = sys._getframe(depth + 1)
-    if f is None or f.f_code is not _APPLY_CODE or f.f_locals.get("self") is not module:
-        return None
-    out: list[nn.Module] = []
-    f = f.f_back
-    while f is not None and f.f_code is _APPLY_CODE:
-        parent = f.f_locals.get("self")
-        if isinstance(parent, nn.Module):
-            out.append(parent)
-        f = f.f_back
-    return out
+    return frames_from_apply(module, depth + 1)
 
 
 def _init_own(
@@ -263,7 +249,7 @@ def _init_own(
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
 ) -> None:
-    own = [(n, p) for n, p in module._parameters.items() if p is not None and p.dim() >= 2]
+    own = [(n, p) for n, p in param_dict(module).items() if p is not None and p.dim() >= 2]
     if not own:
         return
     lays = own_layouts(module, ancestors)

@@ -6,6 +6,7 @@ Every case checks the message and that the tensor is bit-identical afterwards.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,9 @@ from torch.nn import init
 from packedinit import Layout, PackedInitError, chunked, chunked_init
 
 E = 8
+
+#: Exception notes (PEP 678) exist from Python 3.11; on 3.10 packedinit raises the same error without its note.
+NOTES = sys.version_info >= (3, 11)
 
 
 def bits(t: Tensor) -> Tensor:
@@ -621,7 +625,8 @@ def test_a_late_failure_of_a_verified_function_says_what_was_written() -> None:
     with pytest.raises(RuntimeError, match="disk on fire") as info:
         chunked_init(seeded(3 * E, E), 3, 0, fails_second_time)
     notes = getattr(info.value, "__notes__", [])
-    assert any("blocks before 'part 1'" in n and "were already written" in n for n in notes)
+    if NOTES:
+        assert any("blocks before 'part 1'" in n and "were already written" in n for n in notes)
 
 
 def test_tensor_subclass_inputs_are_still_checked() -> None:

@@ -216,7 +216,8 @@ def test_init_recurrent_takes_options_without_partial() -> None:
 def test_packedinit_keywords_never_collide_with_torch_init_keywords() -> None:
     torch_names = {
         name
-        for fn in (getattr(init, n) for n in init.__all__ if n.endswith("_") and not n.startswith("_"))
+        # torch.nn.init has no __all__ on torch 2.6.0 (it has on 2.13.0 and 2.15.0): its public names then
+        for fn in (getattr(init, n) for n in getattr(init, "__all__", dir(init)) if n.endswith("_") and n[0] != "_")
         for name in inspect.signature(fn).parameters
     } - {"tensor", "generator"}
     for fn in (init_model, init_recurrent_, packedinit.reset_parameters):

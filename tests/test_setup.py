@@ -50,11 +50,26 @@ def _imported_modules(path: Path) -> set[str]:
     return names
 
 
+def _providers() -> dict[str, list[str]]:
+    """``importlib.metadata.packages_distributions()``, also on Python 3.10, where it reads only
+    ``top_level.txt`` (which numpy and other meson-built wheels do not ship): there the top-level
+    names come from each distribution's file list, as Python 3.11+ does itself."""
+    out = {k: list(v) for k, v in importlib.metadata.packages_distributions().items()}
+    if sys.version_info < (3, 11):
+        for dist in importlib.metadata.distributions():
+            for f in dist.files or ():
+                top = f.parts[0].removesuffix(".py") if f.parts else ""
+                if top.isidentifier() and not f.parts[0].endswith((".dist-info", ".data")):
+                    out.setdefault(top, []).append(dist.metadata["Name"])
+    return out
+
+
 def test_the_test_extras_carry_every_package_the_tests_import() -> None:
     """`pip install -e '.[dev]'` then `python -m pytest` (the README's test command) needs nothing else."""
     files = [*ROOT.glob("tests/*.py"), *ROOT.glob("benchmarks/*.py"), ROOT / "docs" / "scripts" / "make_figures.py"]
     third_party = set().union(*(_imported_modules(f) for f in files)) - LOCAL - set(sys.stdlib_module_names)
-    providers = importlib.metadata.packages_distributions()
+    third_party -= {"tomllib"}  # stdlib from Python 3.11 (on 3.10 the tests read pyproject with tomli, a test extra)
+    providers = _providers()
     needed = {_norm(providers[m][0]) for m in third_party if m != "torch"}
     assert "matplotlib" in needed  # the figure scripts the docs tests run
     assert needed - _extra("dev") == set()

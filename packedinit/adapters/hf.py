@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from ..errors import PackedInitError
 from ..layout import Layout
 from ..registry import register
+from ..torch_compat import module_dict, param_dict
 from .fused import fused_gate_up, fused_qkv
 
 __all__ = ["experts_layouts"]
@@ -34,8 +35,8 @@ def _tensor(module: nn.Module, name: str) -> Tensor | None:
     *path, leaf = name.split(".")
     owner: nn.Module | None = module
     for part in path:
-        owner = owner._modules.get(part) if owner is not None else None
-    return owner._parameters.get(leaf) if owner is not None else None
+        owner = module_dict(owner).get(part) if owner is not None else None
+    return param_dict(owner).get(leaf) if owner is not None else None
 
 
 def _fit(module: nn.Module, layouts: Mapping[str, Layout]) -> dict[str, Layout]:
@@ -228,7 +229,9 @@ def _gpt_bigcode_attention(module: nn.Module) -> Mapping[str, Layout]:
 @register(f"{_M}.codegen.modeling_codegen.CodeGenAttention")
 def _codegen_attention(module: nn.Module) -> Mapping[str, Layout]:
     """``qkv.view(..., mp_num, 3 * local_dim)``, then ``query, value, key = qkv.split(local_dim, -1)``."""
-    e, mp = _int(module, "embed_dim"), _int(module, "mp_num")
+    # transformers 5.20 and older (checked 5.20.2, the newest on Python 3.10) hard-code ``mp_num = 4`` in
+    # the forward, with the same split; later versions keep it as ``self.mp_num``.
+    e, mp = _int(module, "embed_dim"), (_int(module, "mp_num") if hasattr(module, "mp_num") else 4)
     if e % mp:
         raise PackedInitError(f"CodeGenAttention: embed_dim={e} is not a multiple of mp_num={mp}.")
     local = e // mp

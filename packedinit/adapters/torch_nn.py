@@ -25,6 +25,7 @@ from torch import nn
 from ..errors import PackedInitError
 from ..layout import Layout
 from ..registry import Adapter
+from ..torch_compat import mha_in_proj_packed
 
 __all__ = [
     "ADAPTERS",
@@ -73,7 +74,7 @@ def multihead_attention_layouts(module: nn.Module) -> dict[str, Layout]:
         return {}
     qkv = Layout(0, (e, e, e), names=QKV)
     out: dict[str, Layout] = {}
-    if m._qkv_same_embed_dim and m.in_proj_weight is not None:
+    if mha_in_proj_packed(m) and m.in_proj_weight is not None:
         out["in_proj_weight"] = qkv
     if m.in_proj_bias is not None:
         out["in_proj_bias"] = qkv

@@ -1,0 +1,208 @@
+"""Every use packedinit makes of torch's private surface, in one place.
+
+Each entry names the private thing it reads, the torch versions it was checked on (the
+suite's tests of that entry ran green on them: ``tests/test_torch_compat.py`` and the
+tests of its callers, run by ``.ci/run``'s compat step on the oldest and newest supported
+torch), and the public fallback where one exists. No other packedinit module touches a
+torch-private name (``tests/test_torch_compat.py`` reads the source to keep it so); when a
+new torch moves one of these, this module is the one to change.
+
+Checked on: torch 2.6.0 (Python 3.10), 2.13.0 (Python 3.11) and 2.15.0 (Python 3.13).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+# torch.utils._python_dispatch.TorchDispatchMode: checked on 2.6.0, 2.13.0, 2.15.0. No public
+# fallback (torch.overrides.TorchFunctionMode sees Python-level calls, not the aten ops an
+# in-place write reaches, so it cannot stand in); materialize's write recorder needs it.
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "RESET_METHOD",
+    "ConvNd",
+    "TorchDispatchMode",
+    "apply_ancestors",
+    "buffer_dict",
+    "custom_shard_order",
+    "fill_padding_idx",
+    "is_lazy",
+    "mha_in_proj_packed",
+    "module_dict",
+    "non_persistent_buffers",
+    "param_dict",
+    "private_reset",
+    "set_grad_enabled",
+    "storage_id",
+    "written_args",
+]
+
+
+# -- grad mode -------------------------------------------------------------------------------------
+def _public_set_grad_enabled(enabled: bool) -> None:  # pragma: no cover - a torch without the private setter
+    torch.set_grad_enabled(enabled)
+
+
+#: Turn autograd recording on or off for this thread (the state ``torch.no_grad()`` sets).
+#: ``torch._C._set_grad_enabled``: checked on 2.6.0, 2.13.0, 2.15.0; used for speed (no
+#: context-manager object per call, no extra Python frame). Public fallback:
+#: ``torch.set_grad_enabled(enabled)`` called as a function, which sets the mode at construction.
+set_grad_enabled: Callable[[bool], None] = getattr(
+    getattr(torch, "_C", None), "_set_grad_enabled", _public_set_grad_enabled
+)
+
+
+# -- storages and ops (materialize's write recorder) ------------------------------------------------
+def storage_id(t: Tensor) -> int:
+    """One key per storage: a tensor, its views and its ``.data`` share it (meta tensors included).
+
+    ``untyped_storage()._cdata`` (the address of the C++ StorageImpl): checked on 2.6.0, 2.13.0,
+    2.15.0. No public fallback for meta tensors: ``untyped_storage().data_ptr()`` is 0 for
+    every meta storage, so it cannot tell two of them apart.
+    """
+    return int(t.untyped_storage()._cdata)
+
+
+def written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
+    """The arguments an aten op (as a dispatch mode receives it) writes in place, by its schema.
+
+    ``OpOverload._schema.arguments[i].alias_info.is_write``: checked on 2.6.0, 2.13.0, 2.15.0.
+    No public fallback (``torch.Tag.inplace_view`` marks only view-changing ops).
+    """
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            yield args[i] if i < len(args) else kwargs.get(arg.name)
+
+
+# -- DTensor ----------------------------------------------------------------------------------------
+def custom_shard_order(tensor: Any, placements: Any) -> Any | None:
+    """A DTensor's shard order when it is not the default left-to-right one, else ``None``.
+
+    ``DTensor._spec.shard_order`` and ``DTensorSpec.compute_default_shard_order``: present on
+    2.13.0 and 2.15.0; torch 2.6.0 has neither and only the default order, which is what ``None``
+    says there. Checked on 2.6.0, 2.13.0, 2.15.0. No public fallback.
+    """
+    spec = getattr(tensor, "_spec", None)
+    order = getattr(spec, "shard_order", None)
+    if spec is None or order is None:
+        return None
+    default = type(spec).compute_default_shard_order(placements)
+    return order if tuple(order) != tuple(default) else None
+
+
+# -- nn.Module internals ----------------------------------------------------------------------------
+# ``Module._parameters`` / ``_buffers`` / ``_modules`` / ``_non_persistent_buffers_set``: the live
+# dicts nn.Module keeps (unchanged since torch 1.x; checked on 2.6.0, 2.13.0, 2.15.0). Public
+# fallbacks: ``named_parameters(recurse=False)`` / ``named_buffers(recurse=False)`` /
+# ``named_children()`` to read (copies, slower per call) and ``register_parameter`` /
+# ``register_buffer`` to write (which refuse the meta and DTensor stand-ins packedinit swaps in
+# and out, hence the dicts).
+def param_dict(m: nn.Module) -> dict[str, Any]:
+    """``m``'s own parameters, the live dict (values may be ``None``)."""
+    return m._parameters
+
+
+def buffer_dict(m: nn.Module) -> dict[str, Any]:
+    """``m``'s own buffers, the live dict (values may be ``None``)."""
+    return m._buffers
+
+
+def module_dict(m: nn.Module) -> dict[str, Any]:
+    """``m``'s direct children, the live dict (values may be ``None``)."""
+    return m._modules
+
+
+def non_persistent_buffers(m: nn.Module) -> set[str]:
+    """Names of ``m``'s own buffers left out of its ``state_dict``."""
+    return m._non_persistent_buffers_set
+
+
+def is_lazy(m: nn.Module) -> bool:
+    """Whether ``m`` is a lazy module (``nn.LazyLinear`` ...), whose parameters exist only after a forward.
+
+    ``torch.nn.modules.lazy.LazyModuleMixin`` (documented, not exported from ``torch.nn``): checked
+    on 2.6.0, 2.13.0, 2.15.0. Fallback when it moves: the public ``has_uninitialized_params``
+    method every lazy module has.
+    """
+    lazy = getattr(getattr(nn.modules, "lazy", None), "LazyModuleMixin", None)
+    if lazy is not None:
+        return isinstance(m, lazy)
+    return callable(getattr(m, "has_uninitialized_params", None))  # pragma: no cover - a torch without it
+
+
+def mha_in_proj_packed(m: nn.MultiheadAttention) -> bool:
+    """Whether ``m`` stores q, k, v in one ``in_proj_weight`` (kdim == vdim == embed_dim).
+
+    ``MultiheadAttention._qkv_same_embed_dim``: checked on 2.6.0, 2.13.0, 2.15.0. Public
+    fallback: ``m.in_proj_weight is not None`` (torch registers it as ``None`` otherwise).
+    """
+    same = getattr(m, "_qkv_same_embed_dim", None)
+    if same is None:  # pragma: no cover - a torch without the private flag
+        return m.in_proj_weight is not None
+    return bool(same)
+
+
+#: The base class of every ``nn.ConvNd`` / ``nn.ConvTransposeNd`` (``torch.nn.modules.conv._ConvNd``),
+#: whose ``reset_parameters`` packedinit replays. Checked on 2.6.0, 2.13.0, 2.15.0. Public fallback:
+#: the tuple of the six public conv classes (which misses user subclasses of the base).
+ConvNd = nn.modules.conv._ConvNd
+
+
+#: The name of the private default-init method of ``nn.MultiheadAttention`` and ``nn.Transformer``
+#: (called by their ``__init__``); ``fix_torch_defaults`` replaces it. Checked on 2.6.0, 2.13.0,
+#: 2.15.0. No public fallback (torch calls it from ``__init__``; their public ``reset_parameters``
+#: does not exist).
+RESET_METHOD = "_reset_parameters"
+
+
+def private_reset(m: nn.Module) -> Any:
+    """``m._reset_parameters`` (bound), the default init ``MultiheadAttention`` / ``Transformer`` run."""
+    return getattr(m, RESET_METHOD)
+
+
+def fill_padding_idx(m: nn.Embedding) -> None:
+    """``nn.Embedding._fill_padding_idx_with_zero()``: zero row ``padding_idx`` under no_grad, as torch's reset does.
+
+    Checked on 2.6.0, 2.13.0, 2.15.0. Public fallback when it moves: the same under ``torch.no_grad()``.
+    """
+    fill = getattr(m, "_fill_padding_idx_with_zero", None)
+    if fill is not None:
+        fill()
+    elif m.padding_idx is not None:  # pragma: no cover - a torch without the private method
+        with torch.no_grad():
+            m.weight[m.padding_idx].fill_(0)
+
+
+# -- interpreter frames: who called an init function from nn.Module.apply ------------------------------
+_APPLY_CODE = nn.Module.apply.__code__
+
+
+def apply_ancestors(module: nn.Module, depth: int = 1) -> list[nn.Module] | None:
+    """The modules ``nn.Module.apply`` is visiting ``module`` from, nearest first; ``None`` if not from apply.
+
+    ``nn.Module.apply(fn)`` calls ``fn(module)`` children first and passes nothing else, so an
+    init function called from it cannot otherwise know that it owns only ``module``'s own
+    parameters, nor which ancestors' adapters describe them. ``depth`` is how many frames above
+    this function's caller the call from ``apply`` is (1: the caller itself was called by
+    ``apply``). ``sys._getframe`` (CPython) on ``nn.Module.apply.__code__``, whose body is
+    ``for m in self.children(): m.apply(fn)`` then ``fn(self)``: checked on 2.6.0, 2.13.0,
+    2.15.0 (CPython 3.10, 3.11, 3.13). Public fallback: ``inspect.currentframe()`` (slower, same frames).
+    """
+    f: FrameType | None = sys._getframe(depth + 1)
+    if f is None or f.f_code is not _APPLY_CODE or f.f_locals.get("self") is not module:
+        return None
+    out: list[nn.Module] = []
+    f = f.f_back
+    while f is not None and f.f_code is _APPLY_CODE:
+        parent = f.f_locals.get("self")
+        if isinstance(parent, nn.Module):
+            out.append(parent)
+        f = f.f_back
+    return out
