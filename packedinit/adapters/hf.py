@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from ..errors import PackedInitError
 from ..layout import Layout
 from ..registry import register
+from ..wrappers import find
 from .fused import fused_gate_up, fused_qkv
 
 __all__ = ["experts_layouts"]
@@ -30,21 +31,26 @@ _M = "transformers.models"
 
 
 def _tensor(module: nn.Module, name: str) -> Tensor | None:
-    """The parameter ``name`` (dotted, relative to ``module``), or ``None``; buffers never count."""
-    *path, leaf = name.split(".")
-    owner: nn.Module | None = module
-    for part in path:
-        owner = owner._modules.get(part) if owner is not None else None
-    return owner._parameters.get(leaf) if owner is not None else None
+    """The parameter ``name`` (dotted, relative to ``module``, through wrappers), or ``None``; buffers never count."""
+    found = find(module, name)
+    return None if found is None else found.param
 
 
 def _fit(module: nn.Module, layouts: Mapping[str, Layout]) -> dict[str, Layout]:
-    """Keep the layouts of the tensors the module has (``bias=False`` drops one).
+    """Drop the layouts of tensors the module registers as ``None`` (``bias=False``); keep the rest.
 
-    The registry checks every kept layout against its parameter's shape and names this
-    adapter when one does not fit (a transformers version that packs the layer differently).
+    A name that does not resolve at all (a wrapper packedinit does not know moved the
+    parameter) is kept, so that the registry refuses it loudly, naming the module the
+    path stopped at; it is never dropped in silence. The registry also checks every
+    kept layout against its parameter's shape and names this adapter when one does not
+    fit (a transformers version that packs the layer differently).
     """
-    return {name: layout for name, layout in layouts.items() if _tensor(module, name) is not None}
+    out: dict[str, Layout] = {}
+    for name, layout in layouts.items():
+        found = find(module, name)
+        if found is None or found.param is not None:
+            out[name] = layout
+    return out
 
 
 def _int(module: nn.Module, *names: str) -> int:
