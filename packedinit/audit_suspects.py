@@ -88,19 +88,44 @@ def _linear_like(m: nn.Module) -> tuple[int, int] | None:
     return (fi, fo) if isinstance(fi, int) and isinstance(fo, int) else None
 
 
-def _by_shape(attr: str, module: nn.Module, parent: nn.Module | None) -> tuple[int, str] | None:
+@dataclass
+class _Siblings:
+    """The linear children of one parent by input size, built once per parent (the audit stays linear)."""
+
+    readers: dict[int, list[tuple[str, int]]]  # in_features -> [(child name, id(child))]
+
+    @classmethod
+    def of(cls, parent: nn.Module) -> _Siblings:
+        readers: dict[int, list[tuple[str, int]]] = {}
+        for n, s in parent.named_children():
+            lin = _linear_like(s)
+            if lin is not None:
+                readers.setdefault(lin[0], []).append((n, id(s)))
+        return cls(readers)
+
+    def reader(self, size: int, module: nn.Module) -> str | None:
+        """A sibling (not ``module``) that reads vectors of ``size``, or ``None``."""
+        for n, ident in self.readers.get(size, ()):
+            if ident != id(module):
+                return n
+        return None
+
+
+def _by_shape(
+    attr: str, module: nn.Module, parent: nn.Module | None, cache: dict[int, _Siblings]
+) -> tuple[int, str] | None:
     io = _linear_like(module)
     if io is None or parent is None:
         return None
-    sibling_in = {
-        n: lin[0] for n, s in parent.named_children() if s is not module and (lin := _linear_like(s)) is not None
-    }
+    siblings = cache.get(id(parent))
+    if siblings is None:
+        siblings = cache[id(parent)] = _Siblings.of(parent)
     out = io[1]
-    if out in sibling_in.values():  # some sibling reads the whole output: not split
+    if siblings.reader(out, module) is not None:  # some sibling reads the whole output: not split
         return None
     for k in (3, 2):
-        if out % k == 0 and (out // k) in sibling_in.values():
-            reader = next(n for n, fi in sibling_in.items() if fi == out // k)
+        reader = siblings.reader(out // k, module) if out % k == 0 else None
+        if reader is not None:
             return k, f"out_features {out} = {k} x {out // k}, the input size of sibling {reader!r}"
     return None
 
@@ -123,6 +148,7 @@ def guesses(model: nn.Module, described: Collection[str]) -> list[Guess]:
     """The parameters of ``model`` that look packed and that no layout in ``described`` covers."""
     out: list[Guess] = []
     taken: set[int] = set()
+    siblings: dict[int, _Siblings] = {}
     for path, mod, parent in _covered(model):
         notes = annotations_of(mod)
         attr = path.rpartition(".")[2]
@@ -136,7 +162,7 @@ def guesses(model: nn.Module, described: Collection[str]) -> list[Guess]:
             if found is not None:
                 k, names, why = found
             else:
-                shaped = _by_shape(attr, mod, parent) if leaf == "weight" else None
+                shaped = _by_shape(attr, mod, parent, siblings) if leaf == "weight" else None
                 if shaped is None:
                     continue
                 k, why = shaped

@@ -190,3 +190,21 @@ def test_no_false_alarm_on_more_transformers_models() -> None:
         rep = audit(model)
         assert rep.suspects == (), (name, [s.name for s in rep.suspects])
         assert rep.answer().startswith("not affected"), name
+
+
+class _CountingSequential(nn.Sequential):
+    """A real Sequential that counts how often its children are listed (the audit's sibling scans)."""
+
+    scans = 0
+
+    def named_children(self):  # type: ignore[no-untyped-def]
+        type(self).scans += 1
+        return super().named_children()
+
+
+def test_looks_packed_scans_siblings_once_per_parent() -> None:
+    """Issue 20 item 11: the shape rule rebuilt the sibling table per weight (n scans: quadratic in children)."""
+    model = _CountingSequential(*[nn.Linear(4, 4) for _ in range(50)])
+    _CountingSequential.scans = 0
+    packedinit.audit(model)
+    assert _CountingSequential.scans <= 3  # the walk itself and one sibling table; was 50 more
