@@ -245,6 +245,8 @@ def _codegen_attention(module: nn.Module) -> Mapping[str, Layout]:
 
 
 @register(f"{_M}.mamba.modeling_mamba.MambaMixer")
+@register(f"{_M}.falcon_mamba.modeling_falcon_mamba.FalconMambaMixer")
+@register(f"{_M}.jamba.modeling_jamba.JambaMambaMixer")
 def _mamba_mixer(module: nn.Module) -> Mapping[str, Layout]:
     """``hidden_states_B_C, gate = in_proj(x).transpose(1, 2).chunk(2, dim=1)`` and
     ``time_step, B, C = torch.split(x_proj(h), [time_step_rank, ssm_state_size, ssm_state_size], dim=-1)``."""
@@ -254,6 +256,104 @@ def _mamba_mixer(module: nn.Module) -> Mapping[str, Layout]:
     return _fit(
         module,
         {"in_proj.weight": xz, "in_proj.bias": xz, "x_proj.weight": Layout(0, [r, n, n], names=("dt", "B", "C"))},
+    )
+
+
+# -- Mamba-2 mixers: in_proj = [z | x | B | C | dt] ----------------------------------------------------------
+
+
+@register(f"{_M}.mamba2.modeling_mamba2.Mamba2Mixer")
+@register(f"{_M}.zamba2.modeling_zamba2.Zamba2MambaMixer")
+@register(f"{_M}.bamba.modeling_bamba.BambaMixer")
+@register(f"{_M}.falcon_h1.modeling_falcon_h1.FalconH1Mixer")
+@register(f"{_M}.nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer")
+@register(f"{_M}.granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer")
+def _mamba2_mixer(module: nn.Module) -> Mapping[str, Layout]:
+    """``gate, xBC, dt = in_proj(x).split([I, conv_dim, H])``, then ``x, B, C = split(xBC, [I, G * N, G * N])``.
+
+    B and C hold one ``(N, hidden)`` row block per group, as q holds one per head: each is one
+    block. The depthwise ``conv1d`` over ``[x | B | C]`` is per channel and not split.
+    """
+    i, h = _int(module, "intermediate_size"), _int(module, "num_heads")
+    gn = _int(module, "n_groups") * _int(module, "ssm_state_size")
+    layout = Layout(0, [i, i, gn, gn, h], names=("z", "x", "B", "C", "dt"))
+    return _fit(module, {"in_proj.weight": layout, "in_proj.bias": layout})
+
+
+# -- multi-head latent attention (DeepSeek-V2/V3 and the families that copy it) ------------------------------
+
+_MLA = (
+    "deepseek_v2.modeling_deepseek_v2.DeepseekV2Attention",
+    "deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention",
+    "deepseek_v32.modeling_deepseek_v32.DeepseekV32Attention",
+    "axk1.modeling_axk1.AXK1Attention",
+    "axk2.modeling_axk2.AXK2Attention",
+    "bailing_hybrid.modeling_bailing_hybrid.BailingHybridAttention",
+    "dots3_note.modeling_dots3_note.Dots3NoteTextAttention",
+    "glm4_moe_lite.modeling_glm4_moe_lite.Glm4MoeLiteAttention",
+    "glm5_next.modeling_glm5_next.Glm5NextTextAttention",
+    "glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaAttention",
+    "hy_v4.modeling_hy_v4.HYV4Attention",
+    "hy_v4_vl.modeling_hy_v4_vl.HYV4VLAttention",
+    "kimi_linear.modeling_kimi_linear.KimiLinearAttention",
+    "longcat_flash.modeling_longcat_flash.LongcatFlashMLA",
+    "minicpm3.modeling_minicpm3.MiniCPM3Attention",
+    "mistral4.modeling_mistral4.Mistral4Attention",
+    "mistral_large4.modeling_mistral_large4.MistralLarge4TextAttention",
+    "youtu.modeling_youtu.YoutuAttention",
+)
+
+
+def _mla_attention(module: nn.Module) -> Mapping[str, Layout]:
+    """``kv_latent, k_rot = split(kv_a_proj_with_mqa(x), [kv_lora_rank, rope])``; ``kv_b_proj(latent)``
+    viewed ``(..., heads, nope + v)`` and split ``[k_nope, v]``: per head ``[k_nope | v]``.
+
+    The query (``q_proj`` or ``q_b_proj``) is split into ``[q_nope | q_rot]`` per head and
+    concatenated back into one query: one block, not packed.
+    """
+    r, rope = _int(module, "kv_lora_rank"), _int(module, "qk_rope_head_dim")
+    nope, v = _int(module, "qk_nope_head_dim"), _int(module, "v_head_dim")
+    kv_a = Layout(0, [r, rope], names=("kv_latent", "k_rot"))
+    out: dict[str, Layout] = {"kv_a_proj_with_mqa.weight": kv_a, "kv_a_proj_with_mqa.bias": kv_a}
+    kv_b = _tensor(module, "kv_b_proj.weight")
+    if kv_b is not None and kv_b.dim() == 2 and int(kv_b.shape[0]) % (nope + v) == 0:
+        out["kv_b_proj.weight"] = Layout(0, [nope, v], groups=int(kv_b.shape[0]) // (nope + v), names=("k_nope", "v"))
+    return _fit(module, out)
+
+
+for _path in _MLA:
+    register(f"{_M}.{_path}")(_mla_attention)
+
+
+# -- Qwen3-Next: gated attention, gated delta net -----------------------------------------------------------
+
+
+@register(f"{_M}.qwen3_next.modeling_qwen3_next.Qwen3NextAttention")
+def _qwen3_next_attention(module: nn.Module) -> Mapping[str, Layout]:
+    """``query, gate = chunk(q_proj(x).view(..., -1, 2 * head_dim), 2, dim=-1)``: per head ``[q | gate]``."""
+    d = _int(module, "head_dim")
+    w = _tensor(module, "q_proj.weight")
+    if w is None or int(w.shape[0]) % (2 * d):
+        return {}
+    layout = Layout(0, [d, d], groups=int(w.shape[0]) // (2 * d), names=("q", "gate"))
+    return _fit(module, {"q_proj.weight": layout, "q_proj.bias": layout})
+
+
+@register(f"{_M}.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet")
+def _qwen3_next_delta_net(module: nn.Module) -> Mapping[str, Layout]:
+    """``fix_query_key_value_ordering``: per key head ``[q | k | v | z]`` (``v``, ``z``: ``nv / nk`` value
+    heads each) in ``in_proj_qkvz``, and ``[b | a]`` (``nv / nk`` each) in ``in_proj_ba``."""
+    nk, nv = _int(module, "num_k_heads"), _int(module, "num_v_heads")
+    dk, dv = _int(module, "head_k_dim"), _int(module, "head_v_dim")
+    if nv % nk:
+        raise PackedInitError(f"Qwen3NextGatedDeltaNet: num_v_heads={nv} is not a multiple of num_k_heads={nk}.")
+    g = nv // nk
+    return _fit(
+        module,
+        {
+            "in_proj_qkvz.weight": Layout(0, [dk, dk, g * dv, g * dv], groups=nk, names=("q", "k", "v", "z")),
+            "in_proj_ba.weight": Layout(0, [g, g], groups=nk, names=("b", "a")),
+        },
     )
 
 
@@ -273,7 +373,7 @@ def experts_layouts(module: nn.Module) -> Mapping[str, Layout]:
     expert and part (whole-model init skips them, as it skips every bias). Register it for
     an experts class packedinit does not list yet::
 
-        packedinit.register("transformers.models.jamba.modeling_jamba.JambaExperts")(experts_layouts)
+        packedinit.register("transformers.models.aria.modeling_aria.AriaExperts")(experts_layouts)
 
     Args:
         module: the experts module (needs ``down_proj``; ``gate_up_proj`` or ``up_proj``).
@@ -332,6 +432,9 @@ _EXPERTS = (
     "deepseek_v3.modeling_deepseek_v3.DeepseekV3Experts",
     "minimax.modeling_minimax.MiniMaxExperts",
     "ernie4_5_moe.modeling_ernie4_5_moe.Ernie4_5_MoeExperts",
+    "deepseek_v2.modeling_deepseek_v2.DeepseekV2Experts",
+    "jamba.modeling_jamba.JambaExperts",
+    "qwen3_next.modeling_qwen3_next.Qwen3NextExperts",
 )
 for _path in _EXPERTS:
     register(f"{_M}.{_path}")(experts_layouts)
