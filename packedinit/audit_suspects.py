@@ -17,7 +17,10 @@ weight (2-D or more) *looks packed* when one of two rules holds:
    is never flagged; neither are Llama's separate ``q_proj`` / ``k_proj`` / ``gate_proj``.
 
 The guess splits the packed dim evenly (dim 1, transposed, for GPT-2-style ``Conv1D`` modules
-with an ``nf`` attribute; dim 0 otherwise). For grouped-query attention, where q is larger than
+with an ``nf`` attribute; dim 0 otherwise). A parameter of 3 or more dims outside a conv layer
+is a stack of matrices (MoE experts): its dim 0 is a batch dim, never split, and the guess
+splits dim 1. The printed line carries ``groups`` and ``batch_dims``, so pasted it gives the
+same blocks. For grouped-query attention, where q is larger than
 k and v, replace the guessed sizes with :func:`packedinit.fused_qkv`.
 """
 
@@ -53,6 +56,10 @@ class Guess:
 
 def _layout_repr(layout: Layout) -> str:
     args = [str(layout.dim), repr(list(layout.sizes))]
+    if layout.groups != 1:
+        args.append(f"groups={layout.groups}")
+    if layout.batch_dims:
+        args.append(f"batch_dims={layout.batch_dims}")
     if layout.transposed:
         args.append("transposed=True")
     if layout.names is not None:
@@ -157,7 +164,10 @@ def guesses(model: nn.Module, described: Collection[str]) -> list[Guess]:
             if fqn in described or leaf in notes or p.dim() < 2 or id(p) in taken:
                 continue
             transposed = isinstance(getattr(mod, "nf", None), int) and p.shape[-1] == getattr(mod, "nf", None)
-            dim = 1 if transposed else 0
+            # A parameter of 3+ dims outside a conv layer is a stack (experts, layers): dim 0 indexes
+            # independent matrices and is never split; the packed dim is the stacked matrices' out dim.
+            batch = 1 if p.dim() >= 3 and not isinstance(getattr(mod, "in_channels", None), int) else 0
+            dim = (1 if transposed else 0) + batch
             found = _by_name(leaf) or (_by_name(attr) if attr else None)
             if found is not None:
                 k, names, why = found
@@ -170,7 +180,9 @@ def guesses(model: nn.Module, described: Collection[str]) -> list[Guess]:
             size = int(p.shape[dim])
             if size % k or size < k:
                 continue
-            layout = Layout(dim, [size // k] * k, transposed=transposed, names=names)
+            layout = Layout(dim, [size // k] * k, transposed=transposed, batch_dims=batch, names=names)
+            if batch:
+                why += f"; dim 0 ({int(p.shape[0])}) indexes stacked matrices and is not split"
             entries = [(fqn, layout)]
             bias = getattr(mod, "bias", None) if leaf == "weight" else None
             if isinstance(bias, Tensor) and bias.dim() == 1 and int(bias.shape[0]) == size:

@@ -208,3 +208,24 @@ def test_looks_packed_scans_siblings_once_per_parent() -> None:
     _CountingSequential.scans = 0
     packedinit.audit(model)
     assert _CountingSequential.scans <= 3  # the walk itself and one sibling table; was 50 more
+
+
+class StackedExperts(nn.Module):  # an experts class nobody registered (Mixtral's storage)
+    def __init__(self, n: int = 4, d: int = 32, i: int = 16) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * i, d))
+        self.down_proj = nn.Parameter(torch.empty(n, d, i))
+
+
+def test_looks_packed_never_splits_the_expert_dim_and_the_line_pastes() -> None:
+    """Issue 19: the guess split (n, 2I, E) along the expert dim; pasted, the gate bound came out 0.019, not 0.177."""
+    model = nn.Sequential(StackedExperts())
+    rep = audit(model)
+    (guess,) = [s for s in rep.suspects if s.name == "0.gate_up_proj"]
+    assert guess.layout == Layout(1, [16, 16], batch_dims=1, names=("gate", "up"))
+    assert "batch_dims=1" in guess.annotate
+    exec(guess.annotate, {"packedinit": packedinit, "model": model})  # paste the printed line
+    torch.manual_seed(0)
+    packedinit.chunked(init.xavier_uniform_)(model)
+    top = float(model[0].gate_up_proj.detach()[0, :16].abs().max())
+    assert 0.9 * (6 / 48) ** 0.5 < top <= (6 / 48) ** 0.5  # each expert's gate: (16, 32)
