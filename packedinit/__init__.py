@@ -20,6 +20,7 @@ from .plan import InitFn, InitSpec
 from .recipes import init_recurrent_, reset_parameters
 from .registry import Adapter, register, registered, unregister
 from .torch_defaults import fix_torch_defaults
+from .trace import Inferred, infer_layouts
 from .walk import init_model
 
 _registry.set_builtin_loader(_register_builtins)  # built-in adapters register on the registry's first use
@@ -51,6 +52,9 @@ __all__ = [
     "reset_parameters",
     "init_recurrent_",
     "fix_torch_defaults",
+    # the forward tracer
+    "infer_layouts",
+    "Inferred",
     # audit
     "audit",
     "AuditReport",

@@ -351,3 +351,14 @@ def test_a_wrong_layout_is_caught_by_the_proof() -> None:
     run = _runner(model, position_ids=torch.zeros(B, S, dtype=torch.long))
     with pytest.raises(AssertionError, match="is no piece the forward split off"):
         _prove(model, run, {f"{a}.kv_a_proj_with_mqa": "weight"})
+
+
+@pytest.mark.parametrize("build", [falcon_mamba, jamba, mamba2, bamba, deepseek_v2, deepseek_v3, qwen3_next])
+def test_tracer_agrees_with_the_new_adapters(build: Callable[[], nn.Module]) -> None:
+    """The forward tracer, run on the model, finds exactly the blocks the hand-written adapters claim."""
+    from packedinit.trace import disagreements
+
+    model = build()
+    found = packedinit.infer_layouts(model, input_ids=_ids(), use_cache=False)
+    assert disagreements(found, packedinit.layouts(model)) == []
+    assert sum(1 for f in found.values() if f.verdict == "packed") >= 1
