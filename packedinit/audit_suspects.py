@@ -27,7 +27,7 @@ k and v, replace the guessed sizes with :func:`packedinit.fused_qkv`.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 
 from torch import Tensor, nn
@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from .claims import annotations_of
 from .layout import Layout
 from .registry import lookup
+from .trace import Inferred
 
 __all__ = ["Guess", "guesses"]
 
@@ -151,8 +152,26 @@ def _covered(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module | Non
             stack.append((f"{path}.{n}" if path else n, child, mod))
 
 
-def guesses(model: nn.Module, described: Collection[str]) -> list[Guess]:
-    """The parameters of ``model`` that look packed and that no layout in ``described`` covers."""
+def _traced(fqn: str, p: Tensor, mod: nn.Module, path: str, found: Inferred) -> Guess:
+    layout = found.layout
+    assert layout is not None
+    entries = [(fqn, layout)]
+    bias = getattr(mod, "bias", None) if fqn.endswith("weight") else None
+    fits = isinstance(bias, Tensor) and bias.dim() == 1 and int(bias.shape[0]) == layout.packed_size
+    if layout.batch_dims == 0 and fits:
+        entries.append((f"{path}.bias" if path else "bias", Layout(0, layout.sizes, groups=layout.groups)))
+    return Guess(fqn, p, layout, f"forward: {found.why}", annotate_line(entries))
+
+
+def guesses(
+    model: nn.Module, described: Collection[str], traced: Mapping[str, Inferred] | None = None
+) -> list[Guess]:
+    """The parameters of ``model`` that look packed and that no layout in ``described`` covers.
+
+    With ``traced`` (what :func:`packedinit.infer_layouts` found on an example input), a weight
+    the forward splits is guessed with the forward's own layout, and one it uses whole is not
+    guessed; the name and shape rules decide only for weights the tracer could not follow.
+    """
     out: list[Guess] = []
     taken: set[int] = set()
     siblings: dict[int, _Siblings] = {}
@@ -162,6 +181,13 @@ def guesses(model: nn.Module, described: Collection[str]) -> list[Guess]:
         for leaf, p in mod.named_parameters(recurse=False):
             fqn = f"{path}.{leaf}" if path else leaf
             if fqn in described or leaf in notes or p.dim() < 2 or id(p) in taken:
+                continue
+            seen = traced.get(fqn) if traced is not None else None
+            if seen is not None and seen.verdict == "packed":
+                taken.add(id(p))
+                out.append(_traced(fqn, p, mod, path, seen))
+                continue
+            if seen is not None and seen.verdict == "not packed":
                 continue
             transposed = isinstance(getattr(mod, "nf", None), int) and p.shape[-1] == getattr(mod, "nf", None)
             # A parameter of 3+ dims outside a conv layer is a stack (experts, layers): dim 0 indexes

@@ -229,3 +229,30 @@ def test_looks_packed_never_splits_the_expert_dim_and_the_line_pastes() -> None:
     packedinit.chunked(init.xavier_uniform_)(model)
     top = float(model[0].gate_up_proj.detach()[0, :16].abs().max())
     assert 0.9 * (6 / 48) ** 0.5 < top <= (6 / 48) ** 0.5  # each expert's gate: (16, 32)
+
+
+class GqaByForward(nn.Module):  # an unregistered fused GQA projection: [q: 8 | k: 4 | v: 4]
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 16)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split([8, 4, 4], dim=-1)
+        return self.proj(q * (k * v).sum(-1, keepdim=True))
+
+
+def test_looks_packed_from_the_forward_gives_uneven_blocks_and_pastes() -> None:
+    """Issue 19: without the forward the guess is 3 equal blocks (16 % 3 != 0: no line at all); with it, [8 | 4 | 4]."""
+    model = GqaByForward()
+    assert [s.name for s in audit(model).suspects] == []
+    rep = audit(model, example_inputs=(torch.randn(2, 3, 8),))
+    (guess,) = rep.suspects
+    assert guess.layout == Layout(0, [8, 4, 4])
+    exec(guess.annotate, {"packedinit": packedinit, "model": model})
+    assert packedinit.layouts(model) == {"qkv.weight": Layout(0, [8, 4, 4]), "qkv.bias": Layout(0, [8, 4, 4])}
+    # and a weight the forward uses whole is not guessed although its name says qkv
+    whole = nn.Sequential()
+    whole.qkv = nn.Linear(8, 24)
+    assert [s.name for s in audit(whole, example_inputs=(torch.randn(2, 8),)).suspects] == []
+    assert [s.name for s in audit(whole).suspects] == ["qkv.weight"]
