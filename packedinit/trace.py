@@ -256,8 +256,8 @@ class _Tracer(TorchFunctionMode):
             if wref is not None:
                 self.embedded.add(wref.name)
                 return
-        if name == "cat" or name == "concat" or name == "concatenate":
-            self._cat(args, kwargs, out)
+        if name in ("cat", "concat", "concatenate", "stack"):
+            self._cat(func, args, kwargs, out)
             return
         lab = self._label(first)
         if lab is None:
@@ -315,7 +315,7 @@ class _Tracer(TorchFunctionMode):
         lab = torch.arange(rows).view([rows if i == 1 else 1 for i in range(out.dim())])
         self._tag(out, ref.name, lab.expand(out.shape))
 
-    def _cat(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    def _cat(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         tensors = args[0] if args else kwargs.get("tensors", ())
         labs = [self._label(t) for t in tensors]
         by_weight: dict[str, set[int]] = {}
@@ -328,7 +328,8 @@ class _Tracer(TorchFunctionMode):
                 w.merges.append((len(w.pieces), frozenset(rows), True))
         if len(by_weight) == 1 and all(lab is not None for lab in labs) and isinstance(out, Tensor):
             dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-            self._tag(out, next(iter(by_weight)), torch.cat([lab[1] for lab in labs if lab is not None], dim))
+            join = torch.stack if _fname(func) == "stack" else torch.cat  # rotate_every_two stacks (-x2, x1)
+            self._tag(out, next(iter(by_weight)), join([lab[1] for lab in labs if lab is not None], dim))
 
 
 def _blocks(w: _Weight) -> list[int]:

@@ -314,6 +314,10 @@ def test_qwen3_next_blocks_are_what_the_forward_splits() -> None:
 
 
 _LINES = {
+    "_phi3_mlp": (
+        "up_states = self.gate_up_proj(hidden_states)",
+        "gate, up_states = up_states.chunk(2, dim=-1)",
+    ),
     "_mla_attention": (
         "torch.split(compressed_kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)",
         "k_nope, value_states = torch.split(kv_nope, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)",

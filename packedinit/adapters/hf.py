@@ -187,6 +187,15 @@ def _phi3_attention(module: nn.Module) -> Mapping[str, Layout]:
 
 
 @register(f"{_M}.phi3.modeling_phi3.Phi3MLP")
+@register(f"{_M}.phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalMLP")
+@register(f"{_M}.glm.modeling_glm.GlmMLP")
+@register(f"{_M}.glm4.modeling_glm4.Glm4MLP")
+@register(f"{_M}.glm4v.modeling_glm4v.Glm4vTextMLP")
+@register(f"{_M}.glm_image.modeling_glm_image.GlmImageTextMLP")
+@register(f"{_M}.glm_ocr.modeling_glm_ocr.GlmOcrTextMLP")
+@register(f"{_M}.dia.modeling_dia.DiaMLP")
+@register(f"{_M}.dots3_note.modeling_dots3_note.Dots3NoteAudioMLP")
+@register(f"{_M}.esmfold2.modeling_esmfold2.EsmFold2SwiGLU")
 def _phi3_mlp(module: nn.Module) -> Mapping[str, Layout]:
     """``gate, up_states = gate_up_proj(x).chunk(2, dim=-1)``."""
     w = _tensor(module, "gate_up_proj.weight")
