@@ -71,7 +71,8 @@ def shrink(config: Any, depth: int = 0) -> Any:
         with contextlib.suppress(AttributeError, TypeError, ValueError):
             config.head_dim = max(hidden // heads, 8)
     ssm_heads, expand = getattr(config, "num_heads", None), getattr(config, "expand", None)
-    if isinstance(ssm_heads, int) and isinstance(expand, int) and isinstance(hidden, int) and hasattr(config, "head_dim"):
+    mamba2 = isinstance(ssm_heads, int) and isinstance(expand, int) and isinstance(hidden, int)
+    if mamba2 and hasattr(config, "head_dim"):
         with contextlib.suppress(AttributeError, TypeError, ValueError):  # Mamba-2: heads * head_dim = expand * hidden
             config.head_dim = expand * hidden // ssm_heads
     for key, value in (("n_group", 1), ("topk_group", 1), ("n_groups", 1), ("num_key_value_heads", 2)):
@@ -102,14 +103,14 @@ def shrink(config: Any, depth: int = 0) -> Any:
     return config
 
 
-class _Timeout(Exception):
+class _TimeLimitError(Exception):
     pass
 
 
 @contextlib.contextmanager
 def _limit(seconds: int) -> Iterator[None]:
     def _raise(_sig: int, _frame: FrameType | None) -> None:
-        raise _Timeout(f"over {seconds} s")
+        raise _TimeLimitError(f"over {seconds} s")
 
     old = signal.signal(signal.SIGALRM, _raise)
     signal.alarm(seconds)
@@ -167,7 +168,7 @@ def check(model_type: str, class_name: str, seconds: int = 60) -> dict[str, Any]
                     row["trace"] = _why(e.__cause__ or e)
             else:
                 row["trace"] = f"not run: main input is {getattr(model, 'main_input_name', None)!r}"
-    except _Timeout as e:
+    except _TimeLimitError as e:
         row["error"] = f"timeout ({e})"
     except Exception as e:
         row["error"] = _why(e)
