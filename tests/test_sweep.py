@@ -32,12 +32,14 @@ def test_shrink_makes_a_tiny_config_and_its_sub_configs(sweep: ModuleType) -> No
 
 @pytest.mark.parametrize(
     ("model_type", "packed"),
-    [("gpt2", 1), ("mamba2", 1), ("deepseek_v3", 2), ("falcon_mamba", 2), ("glm", 1), ("cohere", 0)],
+    [("gpt2", 1), ("mamba2", 1), ("deepseek_v3", 2), ("falcon_mamba", 2), ("glm", 1), ("cohere", 0), ("modernbert", 4),
+     ("phi4_multimodal", 2)],
 )
 def test_fast_subset_is_clean(sweep: ModuleType, model_type: str, packed: int) -> None:
     """Built on meta, materialised, reset strictly, audited, traced: the tracer agrees with the adapters.
 
-    Before: GLM's fused gate_up_proj had no adapter (the sweep found it); Cohere's rotate_every_two
+    Before: GLM's fused gate_up_proj, ModernBERT's Wqkv and Wi and Phi-4-multimodal's qkv_proj had no
+    adapter (the sweep found them); Cohere's rotate_every_two
     (``torch.stack((-x2, x1))``) made the tracer call q_proj and k_proj packed in pairs.
     """
     (name,) = [n for t, n in sweep.models([model_type])]

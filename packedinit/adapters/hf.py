@@ -179,6 +179,7 @@ def _falcon_attention(module: nn.Module) -> Mapping[str, Layout]:
 
 
 @register(f"{_M}.phi3.modeling_phi3.Phi3Attention")
+@register(f"{_M}.phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalAttention")
 def _phi3_attention(module: nn.Module) -> Mapping[str, Layout]:
     """``qkv[..., :query_pos]``, then ``num_key_value_heads * head_dim`` for k, the rest for v."""
     nh = _int(module, "num_attention_heads")
@@ -211,6 +212,26 @@ def _dbrx_attention(module: nn.Module) -> Mapping[str, Layout]:
     nh, d = _int(module, "num_heads"), _int(module, "head_dim")
     nkv = _int(module, "num_key_value_heads")
     return _fit(module, _qkv("Wqkv", fused_qkv(nh, d, nkv), fused_qkv(nh, d, nkv, bias=True)))
+
+
+@register(f"{_M}.modernbert.modeling_modernbert.ModernBertAttention")
+def _modernbert_attention(module: nn.Module) -> Mapping[str, Layout]:
+    """``Wqkv(x).view(..., 3, -1, head_dim).unbind(dim=-3)``: ``[q | k | v]``."""
+    d = _int(module, "head_dim")
+    nh = _int(module, "num_attention_heads")
+    return _fit(module, _qkv("Wqkv", fused_qkv(nh, d), fused_qkv(nh, d, bias=True)))
+
+
+@register(f"{_M}.modernbert.modeling_modernbert.ModernBertMLP")
+@register(f"{_M}.modernbert_decoder.modeling_modernbert_decoder.ModernBertDecoderMLP")
+def _modernbert_mlp(module: nn.Module) -> Mapping[str, Layout]:
+    """``input, gate = self.Wi(hidden_states).chunk(2, dim=-1)``: ``[input | gate]``."""
+    w = _tensor(module, "Wi.weight")
+    if w is None:
+        return {}
+    i = int(w.shape[0]) // 2
+    layout = Layout(0, [i, i], names=("input", "gate"))
+    return _fit(module, {"Wi.weight": layout, "Wi.bias": layout})
 
 
 @register(f"{_M}.mpt.modeling_mpt.MptAttention")
