@@ -22,6 +22,7 @@ from .recipes import init_recurrent_, reset_parameters
 from .registry import Adapter, register, registered, unregister
 from .ties import to_empty
 from .torch_defaults import fix_torch_defaults
+from .trace import Inferred, infer_layouts
 from .walk import init_model
 
 _registry.set_builtin_loader(_register_builtins)  # built-in adapters register on the registry's first use
@@ -55,6 +56,9 @@ __all__ = [
     "deferred",
     "init_recurrent_",
     "fix_torch_defaults",
+    # the forward tracer
+    "infer_layouts",
+    "Inferred",
     # audit
     "audit",
     "AuditReport",

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, ParamSpec, Protocol, overload
 
 from torch import Tensor, nn
+from torch.nn import init as _init
 
 from .chunks import Chunks
 from .errors import PackedInitError
@@ -22,11 +23,41 @@ from .lean import PLAIN_TYPES, TORCH, lean_call, route
 from .marks import param_layout
 from .plan import InitSpec, Request
 from .run import run
+from .traits import base, hashable_in
 from .walk import apply_ancestors, module_call
 
 __all__ = ["chunked_init", "chunked", "ChunkedInit"]
 
 P = ParamSpec("P")
+
+#: torch.nn.init functions that need fans, so a matrix: torch refuses them on a 1-D tensor.
+_MATRIX_FNS: frozenset[Callable[..., Tensor]] = frozenset(
+    {
+        _init.xavier_uniform_,
+        _init.xavier_normal_,
+        _init.kaiming_uniform_,
+        _init.kaiming_normal_,
+        _init.orthogonal_,
+        _init.eye_,
+        _init.dirac_,
+        _init.sparse_,
+    }
+)
+
+
+def _stacked_bias_left(target: Tensor, layout: Layout, init_fn: object) -> bool:
+    """An annotated stacked bias (``(n_experts, 2I)``: 1-D blocks) handed to a matrix-only torch function.
+
+    The plain loop ``for p in model.parameters(): if p.dim() > 1: f(p)`` reaches it only
+    because the expert dim makes it 2-D; run on the separate per-expert biases, the same
+    loop skips every one of them. So it is left as it is, as whole-model init leaves it.
+    """
+    return (
+        target.dim() >= 2
+        and target.dim() - layout.batch_dims < 2
+        and callable(init_fn)
+        and hashable_in(base(init_fn), _MATRIX_FNS)
+    )
 
 
 def chunked_init(
@@ -95,6 +126,8 @@ def chunked_init(
     """
     if chunks is None and dim is None and isinstance(tensor, nn.Parameter):
         chunks = param_layout(tensor)  # annotated by packedinit.annotate: per block
+        if chunks is not None and _stacked_bias_left(tensor, chunks, init_fn):
+            return tensor
     plain = chunks is None and dim is None and type(tensor) in PLAIN_TYPES
     if plain and route(tensor, init_fn, args, init_kwargs, first=True) == TORCH:
         lean_call(tensor, init_fn, args, init_kwargs)  # type: ignore[arg-type]  # route: a torch.nn.init function
@@ -183,6 +216,8 @@ def chunked(
     def wrapper(target: Any, /, *args: Any, **kwargs: Any) -> Any:
         if unset and isinstance(target, nn.Parameter):
             layout = param_layout(target)  # annotated by packedinit.annotate: per block
+            if layout is not None and _stacked_bias_left(target, layout, init_fn):
+                return target
             if layout is not None:
                 run(Request(target, layout, None, init_fn, args, kwargs))
                 return target

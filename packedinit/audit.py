@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -296,6 +297,7 @@ def audit(
     references: Sequence[Reference] = DEFAULT_REFERENCES,
     progress: Callable[[int, int, str], None] | None = None,
     suspects: bool = True,
+    example_inputs: tuple[Any, ...] | Mapping[str, Any] | None = None,
 ) -> AuditReport:
     r"""Audit every packed parameter of ``model``: is its init per block, or packed?
 
@@ -324,6 +326,10 @@ def audit(
         references: the inits to compare with.
         progress: called as ``progress(done, total, name)``, e.g. for a progress bar.
         suspects: look for parameters nobody described that look packed (default ``True``).
+        example_inputs: positional (a tuple) or keyword (a mapping) arguments of
+            ``model(...)``: the "looks packed" guesses then come from the forward itself
+            (:func:`packedinit.infer_layouts`: uneven and per-head splits, stacked experts),
+            and a weight the forward uses whole is not guessed.
 
     Returns:
         An :class:`AuditReport`; ``report.affected`` names the parameters whose init ran
@@ -379,7 +385,13 @@ def audit(
     items.sort(key=lambda it: order[it[0]])
     aliases = {first_name[i]: [n for n in ns if n != first_name[i]] for i, ns in names_of.items() if len(ns) > 1}
     lazy = tuple(n for n, p in all_named if isinstance(p, nn.parameter.UninitializedParameter))
-    found = guesses(model, {*lazy, *(n for i in seen for n in names_of[i])}) if guess else []
+    traced = None
+    if guess and example_inputs is not None:
+        from .trace import infer_layouts
+
+        args, kwargs = ((), example_inputs) if isinstance(example_inputs, Mapping) else (example_inputs, {})
+        traced = infer_layouts(model, *args, **kwargs)
+    found = guesses(model, {*lazy, *(n for i in seen for n in names_of[i])}, traced) if guess else []
     found = [g for g in found if id(g.param) not in seen]
     context: dict[str, tuple[Reference, ...]] = {}
     modules: dict[str, str] = {}

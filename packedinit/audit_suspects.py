@@ -17,14 +17,17 @@ weight (2-D or more) *looks packed* when one of two rules holds:
    is never flagged; neither are Llama's separate ``q_proj`` / ``k_proj`` / ``gate_proj``.
 
 The guess splits the packed dim evenly (dim 1, transposed, for GPT-2-style ``Conv1D`` modules
-with an ``nf`` attribute; dim 0 otherwise). For grouped-query attention, where q is larger than
+with an ``nf`` attribute; dim 0 otherwise). A parameter of 3 or more dims outside a conv layer
+is a stack of matrices (MoE experts): its dim 0 is a batch dim, never split, and the guess
+splits dim 1. The printed line carries ``groups`` and ``batch_dims``, so pasted it gives the
+same blocks. For grouped-query attention, where q is larger than
 k and v, replace the guessed sizes with :func:`packedinit.fused_qkv`.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 
 from torch import Tensor, nn
@@ -32,6 +35,7 @@ from torch import Tensor, nn
 from .claims import annotations_of
 from .layout import Layout
 from .registry import lookup
+from .trace import Inferred
 
 __all__ = ["Guess", "guesses"]
 
@@ -53,6 +57,10 @@ class Guess:
 
 def _layout_repr(layout: Layout) -> str:
     args = [str(layout.dim), repr(list(layout.sizes))]
+    if layout.groups != 1:
+        args.append(f"groups={layout.groups}")
+    if layout.batch_dims:
+        args.append(f"batch_dims={layout.batch_dims}")
     if layout.transposed:
         args.append("transposed=True")
     if layout.names is not None:
@@ -88,19 +96,44 @@ def _linear_like(m: nn.Module) -> tuple[int, int] | None:
     return (fi, fo) if isinstance(fi, int) and isinstance(fo, int) else None
 
 
-def _by_shape(attr: str, module: nn.Module, parent: nn.Module | None) -> tuple[int, str] | None:
+@dataclass
+class _Siblings:
+    """The linear children of one parent by input size, built once per parent (the audit stays linear)."""
+
+    readers: dict[int, list[tuple[str, int]]]  # in_features -> [(child name, id(child))]
+
+    @classmethod
+    def of(cls, parent: nn.Module) -> _Siblings:
+        readers: dict[int, list[tuple[str, int]]] = {}
+        for n, s in parent.named_children():
+            lin = _linear_like(s)
+            if lin is not None:
+                readers.setdefault(lin[0], []).append((n, id(s)))
+        return cls(readers)
+
+    def reader(self, size: int, module: nn.Module) -> str | None:
+        """A sibling (not ``module``) that reads vectors of ``size``, or ``None``."""
+        for n, ident in self.readers.get(size, ()):
+            if ident != id(module):
+                return n
+        return None
+
+
+def _by_shape(
+    attr: str, module: nn.Module, parent: nn.Module | None, cache: dict[int, _Siblings]
+) -> tuple[int, str] | None:
     io = _linear_like(module)
     if io is None or parent is None:
         return None
-    sibling_in = {
-        n: lin[0] for n, s in parent.named_children() if s is not module and (lin := _linear_like(s)) is not None
-    }
+    siblings = cache.get(id(parent))
+    if siblings is None:
+        siblings = cache[id(parent)] = _Siblings.of(parent)
     out = io[1]
-    if out in sibling_in.values():  # some sibling reads the whole output: not split
+    if siblings.reader(out, module) is not None:  # some sibling reads the whole output: not split
         return None
     for k in (3, 2):
-        if out % k == 0 and (out // k) in sibling_in.values():
-            reader = next(n for n, fi in sibling_in.items() if fi == out // k)
+        reader = siblings.reader(out // k, module) if out % k == 0 else None
+        if reader is not None:
             return k, f"out_features {out} = {k} x {out // k}, the input size of sibling {reader!r}"
     return None
 
@@ -119,10 +152,29 @@ def _covered(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module | Non
             stack.append((f"{path}.{n}" if path else n, child, mod))
 
 
-def guesses(model: nn.Module, described: Collection[str]) -> list[Guess]:
-    """The parameters of ``model`` that look packed and that no layout in ``described`` covers."""
+def _traced(fqn: str, p: Tensor, mod: nn.Module, path: str, found: Inferred) -> Guess:
+    layout = found.layout
+    assert layout is not None
+    entries = [(fqn, layout)]
+    bias = getattr(mod, "bias", None) if fqn.endswith("weight") else None
+    fits = isinstance(bias, Tensor) and bias.dim() == 1 and int(bias.shape[0]) == layout.packed_size
+    if layout.batch_dims == 0 and fits:
+        entries.append((f"{path}.bias" if path else "bias", Layout(0, layout.sizes, groups=layout.groups)))
+    return Guess(fqn, p, layout, f"forward: {found.why}", annotate_line(entries))
+
+
+def guesses(
+    model: nn.Module, described: Collection[str], traced: Mapping[str, Inferred] | None = None
+) -> list[Guess]:
+    """The parameters of ``model`` that look packed and that no layout in ``described`` covers.
+
+    With ``traced`` (what :func:`packedinit.infer_layouts` found on an example input), a weight
+    the forward splits is guessed with the forward's own layout, and one it uses whole is not
+    guessed; the name and shape rules decide only for weights the tracer could not follow.
+    """
     out: list[Guess] = []
     taken: set[int] = set()
+    siblings: dict[int, _Siblings] = {}
     for path, mod, parent in _covered(model):
         notes = annotations_of(mod)
         attr = path.rpartition(".")[2]
@@ -130,13 +182,23 @@ def guesses(model: nn.Module, described: Collection[str]) -> list[Guess]:
             fqn = f"{path}.{leaf}" if path else leaf
             if fqn in described or leaf in notes or p.dim() < 2 or id(p) in taken:
                 continue
+            seen = traced.get(fqn) if traced is not None else None
+            if seen is not None and seen.verdict == "packed":
+                taken.add(id(p))
+                out.append(_traced(fqn, p, mod, path, seen))
+                continue
+            if seen is not None and seen.verdict == "not packed":
+                continue
             transposed = isinstance(getattr(mod, "nf", None), int) and p.shape[-1] == getattr(mod, "nf", None)
-            dim = 1 if transposed else 0
+            # A parameter of 3+ dims outside a conv layer is a stack (experts, layers): dim 0 indexes
+            # independent matrices and is never split; the packed dim is the stacked matrices' out dim.
+            batch = 1 if p.dim() >= 3 and not isinstance(getattr(mod, "in_channels", None), int) else 0
+            dim = (1 if transposed else 0) + batch
             found = _by_name(leaf) or (_by_name(attr) if attr else None)
             if found is not None:
                 k, names, why = found
             else:
-                shaped = _by_shape(attr, mod, parent) if leaf == "weight" else None
+                shaped = _by_shape(attr, mod, parent, siblings) if leaf == "weight" else None
                 if shaped is None:
                     continue
                 k, why = shaped
@@ -144,7 +206,9 @@ def guesses(model: nn.Module, described: Collection[str]) -> list[Guess]:
             size = int(p.shape[dim])
             if size % k or size < k:
                 continue
-            layout = Layout(dim, [size // k] * k, transposed=transposed, names=names)
+            layout = Layout(dim, [size // k] * k, transposed=transposed, batch_dims=batch, names=names)
+            if batch:
+                why += f"; dim 0 ({int(p.shape[0])}) indexes stacked matrices and is not split"
             entries = [(fqn, layout)]
             bias = getattr(mod, "bias", None) if leaf == "weight" else None
             if isinstance(bias, Tensor) and bias.dim() == 1 and int(bias.shape[0]) == size:

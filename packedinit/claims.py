@@ -18,9 +18,9 @@ from .errors import PackedInitError
 from .layout import Layout, fmt_shape
 from .marks import ANNOTATIONS, has_annotations, stamp
 from .marks import annotations_of as stored_annotations
-from .parametrized import parametrized_original
 from .registry import adapter_name, ensure_builtins, key_name, lookup
-from .torch_compat import module_dict, param_dict
+from .torch_compat import param_dict
+from .wrappers import find, missing
 
 __all__ = ["layouts", "annotate", "annotations_of", "resolve", "own_layouts"]
 
@@ -45,16 +45,9 @@ def _join(prefix: str, name: str) -> str:
 
 
 def _own_param(module: nn.Module, name: str) -> Tensor | None:
-    """``module.get_parameter(name)`` for dotted names, or ``None`` when there is no such parameter."""
-    owner = module
-    *mods, leaf = name.split(".")
-    for m in mods:
-        sub = module_dict(owner).get(m)
-        if sub is None:
-            return None
-        owner = sub
-    found = param_dict(owner).get(leaf)
-    return found if found is not None else parametrized_original(owner, leaf, name)
+    """The parameter ``name`` (dotted) of ``module``, through wrappers (:mod:`packedinit.wrappers`), or ``None``."""
+    found = find(module, name)
+    return None if found is None else found.param
 
 
 def _param_names(module: nn.Module) -> str:
@@ -74,7 +67,8 @@ def _checked(
     if p is None:
         raise PackedInitError(
             f"{source} claims parameter {name!r} ({fqn!r}), which {cls} does not have "
-            f"(its parameters: {_param_names(module)}); fix the adapter's names or its registered class."
+            f"(its parameters: {_param_names(module)}): {missing(module, name)}; fix the adapter's names "
+            f"or its registered class."
         )
     if layout is None and allow_none:
         return p, None
@@ -245,9 +239,9 @@ def annotate(module: Mod, **param_layouts: Layout | None) -> Mod:
         source = f"annotate({type(module).__name__}, ...)"
         for name, layout in param_layouts.items():
             _checked(module, "", name, layout, source, allow_none=True)
-            *mods, leaf = name.split(".")
-            owner = module.get_submodule(".".join(mods)) if mods else module
-            stamps.setdefault(id(owner), (owner, {}))[1][leaf] = layout
+            found = find(module, name)
+            assert found is not None  # _checked resolved it
+            stamps.setdefault(id(found.owner), (found.owner, {}))[1][found.leaf] = layout
     else:
         owners = {id(p): (m, n) for m in module.modules() for n, p in param_dict(m).items() if p is not None}
         for _, p, layout in resolve(module):

@@ -193,3 +193,69 @@ def test_no_false_alarm_on_more_transformers_models() -> None:
         rep = audit(model)
         assert rep.suspects == (), (name, [s.name for s in rep.suspects])
         assert rep.answer().startswith("not affected"), name
+
+
+class _CountingSequential(nn.Sequential):
+    """A real Sequential that counts how often its children are listed (the audit's sibling scans)."""
+
+    scans = 0
+
+    def named_children(self):  # type: ignore[no-untyped-def]
+        type(self).scans += 1
+        return super().named_children()
+
+
+def test_looks_packed_scans_siblings_once_per_parent() -> None:
+    """Issue 20 item 11: the shape rule rebuilt the sibling table per weight (n scans: quadratic in children)."""
+    model = _CountingSequential(*[nn.Linear(4, 4) for _ in range(50)])
+    _CountingSequential.scans = 0
+    packedinit.audit(model)
+    assert _CountingSequential.scans <= 3  # the walk itself and one sibling table; was 50 more
+
+
+class StackedExperts(nn.Module):  # an experts class nobody registered (Mixtral's storage)
+    def __init__(self, n: int = 4, d: int = 32, i: int = 16) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * i, d))
+        self.down_proj = nn.Parameter(torch.empty(n, d, i))
+
+
+def test_looks_packed_never_splits_the_expert_dim_and_the_line_pastes() -> None:
+    """Issue 19: the guess split (n, 2I, E) along the expert dim; pasted, the gate bound came out 0.019, not 0.177."""
+    model = nn.Sequential(StackedExperts())
+    rep = audit(model)
+    (guess,) = [s for s in rep.suspects if s.name == "0.gate_up_proj"]
+    assert guess.layout == Layout(1, [16, 16], batch_dims=1, names=("gate", "up"))
+    assert "batch_dims=1" in guess.annotate
+    exec(guess.annotate, {"packedinit": packedinit, "model": model})  # paste the printed line
+    torch.manual_seed(0)
+    packedinit.chunked(init.xavier_uniform_)(model)
+    top = float(model[0].gate_up_proj.detach()[0, :16].abs().max())
+    assert 0.9 * (6 / 48) ** 0.5 < top <= (6 / 48) ** 0.5  # each expert's gate: (16, 32)
+
+
+class GqaByForward(nn.Module):  # an unregistered fused GQA projection: [q: 8 | k: 4 | v: 4]
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 16)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split([8, 4, 4], dim=-1)
+        return self.proj(q * (k * v).sum(-1, keepdim=True))
+
+
+def test_looks_packed_from_the_forward_gives_uneven_blocks_and_pastes() -> None:
+    """Issue 19: without the forward the guess is 3 equal blocks (16 % 3 != 0: no line at all); with it, [8 | 4 | 4]."""
+    model = GqaByForward()
+    assert [s.name for s in audit(model).suspects] == []
+    rep = audit(model, example_inputs=(torch.randn(2, 3, 8),))
+    (guess,) = rep.suspects
+    assert guess.layout == Layout(0, [8, 4, 4])
+    exec(guess.annotate, {"packedinit": packedinit, "model": model})
+    assert packedinit.layouts(model) == {"qkv.weight": Layout(0, [8, 4, 4]), "qkv.bias": Layout(0, [8, 4, 4])}
+    # and a weight the forward uses whole is not guessed although its name says qkv
+    whole = nn.Sequential()
+    whole.qkv = nn.Linear(8, 24)
+    assert [s.name for s in audit(whole, example_inputs=(torch.randn(2, 8),)).suspects] == []
+    assert [s.name for s in audit(whole).suspects] == ["qkv.weight"]

@@ -306,3 +306,13 @@ def test_cli_rejects_unknown_names() -> None:
 
 def test_fns_are_the_issue_s() -> None:
     assert set(FNS) == {"xavier_uniform_", "kaiming_normal_", "trunc_normal_", "orthogonal_"}
+
+
+def test_audit_scaling_table_has_both_rows() -> None:
+    from benchmarks import audit_scaling
+
+    rows = audit_scaling.measure(3, repeats=1)
+    assert [what for what, _, _ in rows] == ["audit(model)", "audit(model, suspects=False)"]
+    text = audit_scaling.table(3, rows)
+    assert "n = 30" in text
+    assert text.count("\n") == 4

@@ -20,6 +20,13 @@ __all__ = ["BUILTIN_MODULES", "register_builtins"]
 BUILTIN_MODULES = ("packedinit.adapters.torch_nn", "packedinit.adapters.hf")
 
 
+def __getattr__(name: str) -> ModuleType:
+    """``packedinit.adapters.hf`` (or ``.torch_nn``) works without importing it first (PEP 562)."""
+    if f"{__name__}.{name}" in BUILTIN_MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _import_optional(name: str) -> ModuleType | None:
     try:
         return importlib.import_module(name)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from ..errors import PackedInitError
 from ..layout import Layout
 from ..registry import register
-from ..torch_compat import module_dict, param_dict
+from ..wrappers import find
 from .fused import fused_gate_up, fused_qkv
 
 __all__ = ["experts_layouts"]
@@ -31,21 +31,26 @@ _M = "transformers.models"
 
 
 def _tensor(module: nn.Module, name: str) -> Tensor | None:
-    """The parameter ``name`` (dotted, relative to ``module``), or ``None``; buffers never count."""
-    *path, leaf = name.split(".")
-    owner: nn.Module | None = module
-    for part in path:
-        owner = module_dict(owner).get(part) if owner is not None else None
-    return param_dict(owner).get(leaf) if owner is not None else None
+    """The parameter ``name`` (dotted, relative to ``module``, through wrappers), or ``None``; buffers never count."""
+    found = find(module, name)
+    return None if found is None else found.param
 
 
 def _fit(module: nn.Module, layouts: Mapping[str, Layout]) -> dict[str, Layout]:
-    """Keep the layouts of the tensors the module has (``bias=False`` drops one).
+    """Drop the layouts of tensors the module registers as ``None`` (``bias=False``); keep the rest.
 
-    The registry checks every kept layout against its parameter's shape and names this
-    adapter when one does not fit (a transformers version that packs the layer differently).
+    A name that does not resolve at all (a wrapper packedinit does not know moved the
+    parameter) is kept, so that the registry refuses it loudly, naming the module the
+    path stopped at; it is never dropped in silence. The registry also checks every
+    kept layout against its parameter's shape and names this adapter when one does not
+    fit (a transformers version that packs the layer differently).
     """
-    return {name: layout for name, layout in layouts.items() if _tensor(module, name) is not None}
+    out: dict[str, Layout] = {}
+    for name, layout in layouts.items():
+        found = find(module, name)
+        if found is None or found.param is not None:
+            out[name] = layout
+    return out
 
 
 def _int(module: nn.Module, *names: str) -> int:
@@ -174,6 +179,7 @@ def _falcon_attention(module: nn.Module) -> Mapping[str, Layout]:
 
 
 @register(f"{_M}.phi3.modeling_phi3.Phi3Attention")
+@register(f"{_M}.phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalAttention")
 def _phi3_attention(module: nn.Module) -> Mapping[str, Layout]:
     """``qkv[..., :query_pos]``, then ``num_key_value_heads * head_dim`` for k, the rest for v."""
     nh = _int(module, "num_attention_heads")
@@ -182,6 +188,15 @@ def _phi3_attention(module: nn.Module) -> Mapping[str, Layout]:
 
 
 @register(f"{_M}.phi3.modeling_phi3.Phi3MLP")
+@register(f"{_M}.phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalMLP")
+@register(f"{_M}.glm.modeling_glm.GlmMLP")
+@register(f"{_M}.glm4.modeling_glm4.Glm4MLP")
+@register(f"{_M}.glm4v.modeling_glm4v.Glm4vTextMLP")
+@register(f"{_M}.glm_image.modeling_glm_image.GlmImageTextMLP")
+@register(f"{_M}.glm_ocr.modeling_glm_ocr.GlmOcrTextMLP")
+@register(f"{_M}.dia.modeling_dia.DiaMLP")
+@register(f"{_M}.dots3_note.modeling_dots3_note.Dots3NoteAudioMLP")
+@register(f"{_M}.esmfold2.modeling_esmfold2.EsmFold2SwiGLU")
 def _phi3_mlp(module: nn.Module) -> Mapping[str, Layout]:
     """``gate, up_states = gate_up_proj(x).chunk(2, dim=-1)``."""
     w = _tensor(module, "gate_up_proj.weight")
@@ -197,6 +212,26 @@ def _dbrx_attention(module: nn.Module) -> Mapping[str, Layout]:
     nh, d = _int(module, "num_heads"), _int(module, "head_dim")
     nkv = _int(module, "num_key_value_heads")
     return _fit(module, _qkv("Wqkv", fused_qkv(nh, d, nkv), fused_qkv(nh, d, nkv, bias=True)))
+
+
+@register(f"{_M}.modernbert.modeling_modernbert.ModernBertAttention")
+def _modernbert_attention(module: nn.Module) -> Mapping[str, Layout]:
+    """``Wqkv(x).view(..., 3, -1, head_dim).unbind(dim=-3)``: ``[q | k | v]``."""
+    d = _int(module, "head_dim")
+    nh = _int(module, "num_attention_heads")
+    return _fit(module, _qkv("Wqkv", fused_qkv(nh, d), fused_qkv(nh, d, bias=True)))
+
+
+@register(f"{_M}.modernbert.modeling_modernbert.ModernBertMLP")
+@register(f"{_M}.modernbert_decoder.modeling_modernbert_decoder.ModernBertDecoderMLP")
+def _modernbert_mlp(module: nn.Module) -> Mapping[str, Layout]:
+    """``input, gate = self.Wi(hidden_states).chunk(2, dim=-1)``: ``[input | gate]``."""
+    w = _tensor(module, "Wi.weight")
+    if w is None:
+        return {}
+    i = int(w.shape[0]) // 2
+    layout = Layout(0, [i, i], names=("input", "gate"))
+    return _fit(module, {"Wi.weight": layout, "Wi.bias": layout})
 
 
 @register(f"{_M}.mpt.modeling_mpt.MptAttention")
@@ -242,6 +277,8 @@ def _codegen_attention(module: nn.Module) -> Mapping[str, Layout]:
 
 
 @register(f"{_M}.mamba.modeling_mamba.MambaMixer")
+@register(f"{_M}.falcon_mamba.modeling_falcon_mamba.FalconMambaMixer")
+@register(f"{_M}.jamba.modeling_jamba.JambaMambaMixer")
 def _mamba_mixer(module: nn.Module) -> Mapping[str, Layout]:
     """``hidden_states_B_C, gate = in_proj(x).transpose(1, 2).chunk(2, dim=1)`` and
     ``time_step, B, C = torch.split(x_proj(h), [time_step_rank, ssm_state_size, ssm_state_size], dim=-1)``."""
@@ -251,6 +288,104 @@ def _mamba_mixer(module: nn.Module) -> Mapping[str, Layout]:
     return _fit(
         module,
         {"in_proj.weight": xz, "in_proj.bias": xz, "x_proj.weight": Layout(0, [r, n, n], names=("dt", "B", "C"))},
+    )
+
+
+# -- Mamba-2 mixers: in_proj = [z | x | B | C | dt] ----------------------------------------------------------
+
+
+@register(f"{_M}.mamba2.modeling_mamba2.Mamba2Mixer")
+@register(f"{_M}.zamba2.modeling_zamba2.Zamba2MambaMixer")
+@register(f"{_M}.bamba.modeling_bamba.BambaMixer")
+@register(f"{_M}.falcon_h1.modeling_falcon_h1.FalconH1Mixer")
+@register(f"{_M}.nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer")
+@register(f"{_M}.granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer")
+def _mamba2_mixer(module: nn.Module) -> Mapping[str, Layout]:
+    """``gate, xBC, dt = in_proj(x).split([I, conv_dim, H])``, then ``x, B, C = split(xBC, [I, G * N, G * N])``.
+
+    B and C hold one ``(N, hidden)`` row block per group, as q holds one per head: each is one
+    block. The depthwise ``conv1d`` over ``[x | B | C]`` is per channel and not split.
+    """
+    i, h = _int(module, "intermediate_size"), _int(module, "num_heads")
+    gn = _int(module, "n_groups") * _int(module, "ssm_state_size")
+    layout = Layout(0, [i, i, gn, gn, h], names=("z", "x", "B", "C", "dt"))
+    return _fit(module, {"in_proj.weight": layout, "in_proj.bias": layout})
+
+
+# -- multi-head latent attention (DeepSeek-V2/V3 and the families that copy it) ------------------------------
+
+_MLA = (
+    "deepseek_v2.modeling_deepseek_v2.DeepseekV2Attention",
+    "deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention",
+    "deepseek_v32.modeling_deepseek_v32.DeepseekV32Attention",
+    "axk1.modeling_axk1.AXK1Attention",
+    "axk2.modeling_axk2.AXK2Attention",
+    "bailing_hybrid.modeling_bailing_hybrid.BailingHybridAttention",
+    "dots3_note.modeling_dots3_note.Dots3NoteTextAttention",
+    "glm4_moe_lite.modeling_glm4_moe_lite.Glm4MoeLiteAttention",
+    "glm5_next.modeling_glm5_next.Glm5NextTextAttention",
+    "glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaAttention",
+    "hy_v4.modeling_hy_v4.HYV4Attention",
+    "hy_v4_vl.modeling_hy_v4_vl.HYV4VLAttention",
+    "kimi_linear.modeling_kimi_linear.KimiLinearAttention",
+    "longcat_flash.modeling_longcat_flash.LongcatFlashMLA",
+    "minicpm3.modeling_minicpm3.MiniCPM3Attention",
+    "mistral4.modeling_mistral4.Mistral4Attention",
+    "mistral_large4.modeling_mistral_large4.MistralLarge4TextAttention",
+    "youtu.modeling_youtu.YoutuAttention",
+)
+
+
+def _mla_attention(module: nn.Module) -> Mapping[str, Layout]:
+    """``kv_latent, k_rot = split(kv_a_proj_with_mqa(x), [kv_lora_rank, rope])``; ``kv_b_proj(latent)``
+    viewed ``(..., heads, nope + v)`` and split ``[k_nope, v]``: per head ``[k_nope | v]``.
+
+    The query (``q_proj`` or ``q_b_proj``) is split into ``[q_nope | q_rot]`` per head and
+    concatenated back into one query: one block, not packed.
+    """
+    r, rope = _int(module, "kv_lora_rank"), _int(module, "qk_rope_head_dim")
+    nope, v = _int(module, "qk_nope_head_dim"), _int(module, "v_head_dim")
+    kv_a = Layout(0, [r, rope], names=("kv_latent", "k_rot"))
+    out: dict[str, Layout] = {"kv_a_proj_with_mqa.weight": kv_a, "kv_a_proj_with_mqa.bias": kv_a}
+    kv_b = _tensor(module, "kv_b_proj.weight")
+    if kv_b is not None and kv_b.dim() == 2 and int(kv_b.shape[0]) % (nope + v) == 0:
+        out["kv_b_proj.weight"] = Layout(0, [nope, v], groups=int(kv_b.shape[0]) // (nope + v), names=("k_nope", "v"))
+    return _fit(module, out)
+
+
+for _path in _MLA:
+    register(f"{_M}.{_path}")(_mla_attention)
+
+
+# -- Qwen3-Next: gated attention, gated delta net -----------------------------------------------------------
+
+
+@register(f"{_M}.qwen3_next.modeling_qwen3_next.Qwen3NextAttention")
+def _qwen3_next_attention(module: nn.Module) -> Mapping[str, Layout]:
+    """``query, gate = chunk(q_proj(x).view(..., -1, 2 * head_dim), 2, dim=-1)``: per head ``[q | gate]``."""
+    d = _int(module, "head_dim")
+    w = _tensor(module, "q_proj.weight")
+    if w is None or int(w.shape[0]) % (2 * d):
+        return {}
+    layout = Layout(0, [d, d], groups=int(w.shape[0]) // (2 * d), names=("q", "gate"))
+    return _fit(module, {"q_proj.weight": layout, "q_proj.bias": layout})
+
+
+@register(f"{_M}.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet")
+def _qwen3_next_delta_net(module: nn.Module) -> Mapping[str, Layout]:
+    """``fix_query_key_value_ordering``: per key head ``[q | k | v | z]`` (``v``, ``z``: ``nv / nk`` value
+    heads each) in ``in_proj_qkvz``, and ``[b | a]`` (``nv / nk`` each) in ``in_proj_ba``."""
+    nk, nv = _int(module, "num_k_heads"), _int(module, "num_v_heads")
+    dk, dv = _int(module, "head_k_dim"), _int(module, "head_v_dim")
+    if nv % nk:
+        raise PackedInitError(f"Qwen3NextGatedDeltaNet: num_v_heads={nv} is not a multiple of num_k_heads={nk}.")
+    g = nv // nk
+    return _fit(
+        module,
+        {
+            "in_proj_qkvz.weight": Layout(0, [dk, dk, g * dv, g * dv], groups=nk, names=("q", "k", "v", "z")),
+            "in_proj_ba.weight": Layout(0, [g, g], groups=nk, names=("b", "a")),
+        },
     )
 
 
@@ -270,7 +405,7 @@ def experts_layouts(module: nn.Module) -> Mapping[str, Layout]:
     expert and part (whole-model init skips them, as it skips every bias). Register it for
     an experts class packedinit does not list yet::
 
-        packedinit.register("transformers.models.jamba.modeling_jamba.JambaExperts")(experts_layouts)
+        packedinit.register("transformers.models.aria.modeling_aria.AriaExperts")(experts_layouts)
 
     Args:
         module: the experts module (needs ``down_proj``; ``gate_up_proj`` or ``up_proj``).
@@ -329,6 +464,9 @@ _EXPERTS = (
     "deepseek_v3.modeling_deepseek_v3.DeepseekV3Experts",
     "minimax.modeling_minimax.MiniMaxExperts",
     "ernie4_5_moe.modeling_ernie4_5_moe.Ernie4_5_MoeExperts",
+    "deepseek_v2.modeling_deepseek_v2.DeepseekV2Experts",
+    "jamba.modeling_jamba.JambaExperts",
+    "qwen3_next.modeling_qwen3_next.Qwen3NextExperts",
 )
 for _path in _EXPERTS:
     register(f"{_M}.{_path}")(experts_layouts)

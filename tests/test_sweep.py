@@ -1,0 +1,66 @@
+"""The transformers sweep (docs/scripts/sweep.py): a fast subset of what the full run checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import transformers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sweep() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("sweep", ROOT / "docs" / "scripts" / "sweep.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_shrink_makes_a_tiny_config_and_its_sub_configs(sweep: ModuleType) -> None:
+    cfg = sweep.shrink(transformers.LlavaConfig())
+    assert cfg.text_config.hidden_size == 64
+    assert cfg.text_config.num_hidden_layers == 1
+    assert cfg.vision_config.hidden_size == 64
+
+
+@pytest.mark.parametrize(
+    ("model_type", "packed"),
+    [("gpt2", 1), ("mamba2", 1), ("deepseek_v3", 2), ("falcon_mamba", 2), ("glm", 1), ("cohere", 0), ("modernbert", 4),
+     ("phi4_multimodal", 2)],
+)
+def test_fast_subset_is_clean(sweep: ModuleType, model_type: str, packed: int) -> None:
+    """Built on meta, materialised, reset strictly, audited, traced: the tracer agrees with the adapters.
+
+    Before: GLM's fused gate_up_proj, ModernBERT's Wqkv and Wi and Phi-4-multimodal's qkv_proj had no
+    adapter (the sweep found them); Cohere's rotate_every_two
+    (``torch.stack((-x2, x1))``) made the tracer call q_proj and k_proj packed in pairs.
+    """
+    (name,) = [n for t, n in sweep.models([model_type])]
+    row = sweep.check(model_type, name, seconds=120)
+    assert row["built"], row
+    assert row["reset"] == "ok", row
+    assert row["disagree"] == [], row
+    assert row["packed_by_forward"] == packed, row  # cohere: its interleaved rotary is not a split
+    assert row["clean"], row
+
+
+def test_a_failure_is_listed_with_its_reason(sweep: ModuleType, tmp_path: Path) -> None:
+    rows = [
+        sweep.check("gpt2", "GPT2Model"),
+        {"model_type": "broken", "class": "BrokenModel", "built": False, "clean": False, "error": "ValueError: x"},
+    ]
+    text = sweep.page(rows, 1.0)
+    assert "| 2 | 1 | 1 | 1 | 1 |" in text
+    assert "| broken | BrokenModel | ValueError: x |" in text
+    out = tmp_path / "rows.jsonl"
+    out.write_text("\n".join(json.dumps(r) for r in rows))
+    page = tmp_path / "sweep.md"
+    assert sweep.main(["--from-jsonl", "--jsonl", str(out), "--page", str(page)]) == 0
+    assert page.read_text() == sweep.page(rows, 1.0).replace("(0 min", "(0 min")
