@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .claims import layouts
 from .errors import PackedInitError
@@ -29,6 +28,7 @@ from .plan import Request
 from .recipes import reset_parameters
 from .run import run
 from .ties import to_empty
+from .torch_compat import RESET_METHOD, TorchDispatchMode, caller_frame, written_args
 from .traits import TORCH_INIT  # torch's own functions, also while fix_torch_defaults() replaces them
 
 __all__ = ["Deferred", "deferred"]
@@ -36,7 +36,7 @@ __all__ = ["Deferred", "deferred"]
 #: Frames whose init calls ``reset_parameters`` already replays: torch's init methods and transformers'
 #: ``post_init`` chain (a plain model's own ``self.apply(self._init_weights)`` in ``__init__`` is recorded).
 _INIT_METHODS = frozenset(
-    {"reset_parameters", "_reset_parameters", "_initialize_weights", "initialize_weights", "post_init"}
+    {"reset_parameters", RESET_METHOD, "_initialize_weights", "initialize_weights", "post_init"}
 )
 
 
@@ -161,11 +161,9 @@ class _OtherWrites(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
     ) -> Any:
         kwargs = kwargs or {}
         if self.depth[0] == 0:
-            for i, arg in enumerate(func._schema.arguments):
-                if arg.alias_info is not None and arg.alias_info.is_write:
-                    value = args[i] if i < len(args) else kwargs.get(arg.name)
-                    if isinstance(value, Tensor) and value.is_meta and not _inside_init_method(sys._getframe()):
-                        self.into.setdefault(storage_key(value), set()).add(str(func.overloadpacket.__name__))
+            for value in written_args(func, args, kwargs):
+                if isinstance(value, Tensor) and value.is_meta and not _inside_init_method(caller_frame()):
+                    self.into.setdefault(storage_key(value), set()).add(str(func.overloadpacket.__name__))
         return func(*args, **kwargs)
 
 

@@ -22,7 +22,15 @@ import torch
 from torch import Tensor, nn
 
 from .rng import global_restored
-from .torch_compat import TorchDispatchMode, buffer_dict, non_persistent_buffers, param_dict, storage_id, written_args
+from .torch_compat import (
+    RESET_METHOD,
+    TorchDispatchMode,
+    buffer_dict,
+    non_persistent_buffers,
+    param_dict,
+    storage_id,
+    written_args,
+)
 from .traits import TORCH_INIT  # torch's own functions, also while fix_torch_defaults() replaces them
 
 __all__ = [
@@ -265,7 +273,7 @@ def hf_flags_cleared(model: nn.Module) -> Iterator[None]:
 
 # -- coverage report and DTensor stand-ins ---------------------------------------------------------
 def _has_own_init(m: nn.Module) -> bool:
-    return any(callable(getattr(m, name, None)) for name in ("reset_parameters", "_reset_parameters"))
+    return any(callable(getattr(m, name, None)) for name in ("reset_parameters", RESET_METHOD))
 
 
 def uncovered_message(module: nn.Module, covered: set[int]) -> str | None:

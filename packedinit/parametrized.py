@@ -21,6 +21,16 @@ import torch
 from torch import Tensor, nn
 
 from .errors import PackedInitError
+from .torch_compat import (
+    WEIGHT_NORM_G,
+    WEIGHT_NORM_V,
+    buffer_dict,
+    forward_pre_hooks,
+    module_dict,
+    param_dict,
+    spectral_norm_vectors,
+    spectral_power_method,
+)
 
 __all__ = [
     "check_writable",
@@ -34,19 +44,19 @@ __all__ = [
 
 def is_parametrized(m: nn.Module) -> bool:
     """Has ``m`` a tensor parametrized with ``torch.nn.utils.parametrize`` or torch's old ``weight_norm`` hook?"""
-    return isinstance(m._modules.get("parametrizations"), nn.ModuleDict) or bool(weight_norm_hooks(m))
+    return isinstance(module_dict(m).get("parametrizations"), nn.ModuleDict) or bool(weight_norm_hooks(m))
 
 
 def weight_norm_hooks(m: nn.Module) -> list[Any]:
     """The deprecated ``torch.nn.utils.weight_norm`` hooks on ``m`` (each holds ``name`` and ``dim``)."""
-    return [h for h in m._forward_pre_hooks.values() if type(h).__name__ == "WeightNorm" and hasattr(h, "name")]
+    return [h for h in forward_pre_hooks(m).values() if type(h).__name__ == "WeightNorm" and hasattr(h, "name")]
 
 
 def _originals(plist: Any) -> list[Tensor]:
     if getattr(plist, "is_tensor", False):
         return [plist.original]
     out: list[Tensor] = []
-    while f"original{len(out)}" in plist._parameters or f"original{len(out)}" in plist._buffers:
+    while f"original{len(out)}" in param_dict(plist) or f"original{len(out)}" in buffer_dict(plist):
         out.append(getattr(plist, f"original{len(out)}"))
     return out
 
@@ -61,7 +71,7 @@ def parametrized_original(owner: nn.Module, name: str, fqn: str, sizes: object =
     Raises:
         PackedInitError: ``name`` is parametrized and no original has its shape.
     """
-    holder = owner._modules.get("parametrizations")
+    holder = module_dict(owner).get("parametrizations")
     if not isinstance(holder, nn.ModuleDict) or name not in holder:
         return None
     with torch.no_grad():
@@ -94,18 +104,20 @@ def _write_through(plist: Any, value: Tensor) -> None:
     for original, v in zip(originals, values, strict=True):
         original.copy_(v)
     for p in plist:
-        if type(p).__name__ == "_SpectralNorm" and "_u" in p._buffers:  # a vector weight has no _u, _v
-            _redraw_spectral(p, originals[0])
+        vectors = spectral_norm_vectors(p)  # None for a vector weight (no u, v) and other parametrizations
+        if vectors is not None:
+            _redraw_spectral(p, vectors, originals[0])
     plist()  # registration evaluates the parametrization once (a spectral_norm in training mode iterates)
 
 
-def _redraw_spectral(p: Any, weight: Tensor) -> None:
-    """The power-iteration vectors ``_u``, ``_v`` as ``_SpectralNorm.__init__`` draws them (same calls, same order)."""
-    u = torch.empty_like(p._u).normal_(0, 1)
-    v = torch.empty_like(p._v).normal_(0, 1)
-    p._u.copy_(nn.functional.normalize(u, dim=0, eps=p.eps))
-    p._v.copy_(nn.functional.normalize(v, dim=0, eps=p.eps))
-    p._power_method(p._reshape_weight_to_matrix(weight), 15)
+def _redraw_spectral(p: Any, vectors: tuple[Tensor, Tensor], weight: Tensor) -> None:
+    """The power-iteration vectors ``u``, ``v`` as spectral_norm's ``__init__`` draws them (same calls, same order)."""
+    pu, pv = vectors
+    u = torch.empty_like(pu).normal_(0, 1)
+    v = torch.empty_like(pv).normal_(0, 1)
+    pu.copy_(nn.functional.normalize(u, dim=0, eps=p.eps))
+    pv.copy_(nn.functional.normalize(v, dim=0, eps=p.eps))
+    spectral_power_method(p, weight, 15)
 
 
 def _plain_kind(m: nn.Module, plist: nn.Module, name: str) -> tuple[tuple[int, ...], torch.dtype]:
@@ -116,7 +128,7 @@ def _plain_kind(m: nn.Module, plist: nn.Module, name: str) -> tuple[tuple[int, .
     """
     swapped: list[tuple[dict[str, Any], str, Tensor]] = []
     for sub in plist.modules():
-        stores: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
+        stores: tuple[dict[str, Any], ...] = (param_dict(sub), buffer_dict(sub))
         for store in stores:
             for n, t in list(store.items()):
                 if t is not None and not t.is_meta:
@@ -141,7 +153,7 @@ def unparametrized(m: nn.Module) -> Iterator[None]:
     initialises ``m.weight`` initialises what the parametrization reads. On an error the
     originals are untouched. Modules without parametrizations are left as they are.
     """
-    holder = m._modules.get("parametrizations")
+    holder = module_dict(m).get("parametrizations")
     hooks = weight_norm_hooks(m)
     if not isinstance(holder, nn.ModuleDict) and not hooks:
         yield
@@ -156,21 +168,21 @@ def unparametrized(m: nn.Module) -> Iterator[None]:
                 device, grad = originals[0].device, any(o.requires_grad for o in originals)
                 plain[name] = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=grad)
         for h in hooks:
-            v = getattr(m, h.name + "_v")
+            v = getattr(m, h.name + WEIGHT_NORM_V)
             plain[h.name] = nn.Parameter(torch.empty_like(v), requires_grad=v.requires_grad)
     computed = {h.name: m.__dict__.pop(h.name, None) for h in hooks}
     if isinstance(holder, nn.ModuleDict):
         m.__class__ = torch.nn.utils.parametrize.type_before_parametrizations(m)
-        del m._modules["parametrizations"]
-    params: dict[str, Any] = m._parameters
+        del module_dict(m)["parametrizations"]
+    params: dict[str, Any] = param_dict(m)
     params.update(plain)
     try:
         yield
     finally:
         for name in plain:
-            del m._parameters[name]
+            del param_dict(m)[name]
         if isinstance(holder, nn.ModuleDict):
-            m._modules["parametrizations"] = holder
+            module_dict(m)["parametrizations"] = holder
             m.__class__ = cls
         for name, t in computed.items():
             if t is not None:
@@ -180,8 +192,8 @@ def unparametrized(m: nn.Module) -> Iterator[None]:
             for name in holder:
                 _write_through(holder[name], plain[name])
         for h in hooks:
-            getattr(m, h.name + "_g").copy_(torch.norm_except_dim(plain[h.name], 2, h.dim))
-            getattr(m, h.name + "_v").copy_(plain[h.name])
+            getattr(m, h.name + WEIGHT_NORM_G).copy_(torch.norm_except_dim(plain[h.name], 2, h.dim))
+            getattr(m, h.name + WEIGHT_NORM_V).copy_(plain[h.name])
             if computed.get(h.name) is not None:
                 m.__dict__[h.name] = h.compute_weight(m)
 
@@ -192,7 +204,7 @@ def check_writable(m: nn.Module) -> None:
     Raises:
         PackedInitError: an original of a parametrized tensor of ``m`` is a DTensor.
     """
-    holder = m._modules.get("parametrizations")
+    holder = module_dict(m).get("parametrizations")
     if not isinstance(holder, nn.ModuleDict):
         return
     for name in holder:

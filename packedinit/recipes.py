@@ -47,7 +47,15 @@ from .plan import InitSpec, Request
 from .rng import generator_as_default
 from .run import run
 from .ties import later_holders, without_later_ties
-from .torch_compat import RESET_METHOD, ConvNd, fill_padding_idx, is_lazy, mha_in_proj_packed, private_reset
+from .torch_compat import (
+    RESET_METHOD,
+    ConvNd,
+    fill_padding_idx,
+    is_lazy,
+    mha_in_proj_packed,
+    module_dict,
+    private_reset,
+)
 from .traits import is_dtensor
 from .walk import init_tree, plan_requests, run_steps
 
@@ -82,7 +90,7 @@ def _check_generator(generator: object, where: str) -> torch.Generator | None:
 
 def _own_tensors(m: nn.Module) -> list[Tensor]:
     """``m``'s own parameters and buffers, the originals of its parametrized tensors included."""
-    held = m._modules.get("parametrizations")
+    held = module_dict(m).get("parametrizations")
     extra = [*held.parameters(), *held.buffers()] if isinstance(held, nn.ModuleDict) else []
     return [*m.parameters(recurse=False), *m.buffers(recurse=False), *extra]
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import PackedInitError
+from .torch_compat import buffer_dict, param_dict
 
 __all__ = ["later_holders", "shared_tensors", "to_empty", "without_later_ties"]
 
@@ -27,7 +28,7 @@ def shared_tensors(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     """Every parameter or buffer held in more than one place, as ``[(module, name), ...]`` (the first holder first)."""
     held: dict[int, list[tuple[nn.Module, str]]] = {}
     for m in module.modules():
-        for store in (m._parameters, m._buffers):
+        for store in (param_dict(m), buffer_dict(m)):
             for name, t in store.items():
                 if t is not None:
                     held.setdefault(id(t), []).append((m, name))
@@ -35,7 +36,7 @@ def shared_tensors(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
 
 
 def _store(m: nn.Module, name: str) -> dict[str, Any]:
-    return m._parameters if name in m._parameters else m._buffers
+    return param_dict(m) if name in param_dict(m) else buffer_dict(m)
 
 
 def to_empty(module: M, *, device: torch.device | str | int | None, recurse: bool = True) -> M:
@@ -121,7 +122,7 @@ def without_later_ties(m: nn.Module, later: set[tuple[int, str]]) -> Iterator[No
     construction's), and the shared tensor keeps what its first holder wrote.
     """
     swapped: list[tuple[dict[str, Any], str, Tensor]] = []
-    stores: tuple[dict[str, Any], ...] = (m._parameters, m._buffers)
+    stores: tuple[dict[str, Any], ...] = (param_dict(m), buffer_dict(m))
     for store in stores:
         for name, t in list(store.items()):
             if t is not None and (id(m), name) in later:

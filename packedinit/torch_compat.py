@@ -27,19 +27,26 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "RESET_METHOD",
+    "WEIGHT_NORM_G",
+    "WEIGHT_NORM_V",
     "ConvNd",
     "TorchDispatchMode",
     "apply_ancestors",
     "buffer_dict",
+    "caller_frame",
     "custom_shard_order",
     "fill_padding_idx",
+    "forward_pre_hooks",
     "is_lazy",
     "mha_in_proj_packed",
     "module_dict",
     "non_persistent_buffers",
     "param_dict",
     "private_reset",
+    "rnn_weight_names",
     "set_grad_enabled",
+    "spectral_norm_vectors",
+    "spectral_power_method",
     "storage_id",
     "written_args",
 ]
@@ -124,6 +131,16 @@ def non_persistent_buffers(m: nn.Module) -> set[str]:
     return m._non_persistent_buffers_set
 
 
+def forward_pre_hooks(m: nn.Module) -> dict[int, Any]:
+    """``m``'s forward pre-hooks, the live dict (handle id -> hook), where the old ``weight_norm`` keeps its hook.
+
+    ``Module._forward_pre_hooks``: checked on 2.6.0, 2.13.0, 2.15.0. No public fallback (torch
+    lists a module's registered hooks nowhere else).
+    """
+    return m._forward_pre_hooks
+
+
+
 def is_lazy(m: nn.Module) -> bool:
     """Whether ``m`` is a lazy module (``nn.LazyLinear`` ...), whose parameters exist only after a forward.
 
@@ -147,6 +164,21 @@ def mha_in_proj_packed(m: nn.MultiheadAttention) -> bool:
     if same is None:  # pragma: no cover - a torch without the private flag
         return m.in_proj_weight is not None
     return bool(same)
+
+
+def rnn_weight_names(m: nn.RNNBase) -> list[str]:
+    """The names of ``m``'s weights and biases in torch's flat order (``weight_ih_l0``, ``weight_hh_l0``, ...).
+
+    ``RNNBase._flat_weights_names``: checked on 2.6.0, 2.13.0, 2.15.0. Public fallback: the same
+    names built from ``num_layers``, ``bidirectional``, ``bias`` and ``proj_size``.
+    """
+    names: list[str] | None = getattr(m, "_flat_weights_names", None)
+    if names is None:  # pragma: no cover - a torch without the private list
+        kinds = ["weight_ih", "weight_hh", *(["bias_ih", "bias_hh"] if m.bias else [])]
+        kinds += ["weight_hr"] if m.proj_size > 0 else []
+        suffixes = ["", "_reverse"] if m.bidirectional else [""]
+        names = [f"{k}_l{layer}{s}" for layer in range(m.num_layers) for s in suffixes for k in kinds]
+    return names
 
 
 #: The base class of every ``nn.ConvNd`` / ``nn.ConvTransposeNd`` (``torch.nn.modules.conv._ConvNd``),
@@ -180,7 +212,45 @@ def fill_padding_idx(m: nn.Embedding) -> None:
             m.weight[m.padding_idx].fill_(0)
 
 
+# -- parametrizations: spectral_norm's power iteration, the deprecated hook-based weight_norm ---------------
+def spectral_norm_vectors(p: Any) -> tuple[Tensor, Tensor] | None:
+    """``(u, v)`` of a ``torch.nn.utils.parametrizations.spectral_norm`` parametrization ``p``, else ``None``.
+
+    The class ``_SpectralNorm`` (by name) and its power-iteration buffers ``_u``, ``_v`` (absent for
+    a vector weight, which needs no iteration): checked on 2.6.0, 2.13.0, 2.15.0. No public
+    fallback (torch documents the parametrization, not its state).
+    """
+    if type(p).__name__ != "_SpectralNorm" or "_u" not in p._buffers:
+        return None
+    return p._u, p._v
+
+
+def spectral_power_method(p: Any, weight: Tensor, n_power_iterations: int) -> None:
+    """``n_power_iterations`` steps of ``p``'s power iteration on ``weight`` (updates ``u``, ``v`` in place).
+
+    ``_SpectralNorm._power_method(_reshape_weight_to_matrix(weight), n)``, as its ``__init__`` runs
+    it: checked on 2.6.0, 2.13.0, 2.15.0. No public fallback.
+    """
+    p._power_method(p._reshape_weight_to_matrix(weight), n_power_iterations)
+
+
+#: Suffixes of the two Parameters ``torch.nn.utils.weight_norm`` (the deprecated hook) registers for
+#: ``name``: ``name + "_g"`` (the norm) and ``name + "_v"`` (the direction). Documented names, kept
+#: here because they read as private ones. Checked on 2.6.0, 2.13.0, 2.15.0. No fallback needed
+#: (the parametrization-based ``weight_norm`` uses ``original0`` / ``original1``).
+WEIGHT_NORM_G, WEIGHT_NORM_V = "_g", "_v"
+
+
 # -- interpreter frames: who called an init function from nn.Module.apply ------------------------------
+def caller_frame() -> FrameType:
+    """The frame of the function that calls this one.
+
+    ``sys._getframe(1)`` (CPython): checked on CPython 3.10, 3.11, 3.13 (torch 2.6.0, 2.13.0,
+    2.15.0). Public fallback: ``inspect.currentframe().f_back`` (slower, same frame).
+    """
+    return sys._getframe(1)
+
+
 _APPLY_CODE = nn.Module.apply.__code__
 
 

@@ -22,6 +22,7 @@ PRIVATE = re.compile(r"_[A-Za-z][A-Za-z0-9_]*")  # one leading underscore, not a
 NOT_TORCH = {
     "_is_hf_initialized": "transformers' flag on a tensor (materialize.hf_flags_cleared)",
     "_init_weights": "a transformers model's own init method (recipes._hf_init)",
+    "_initialize_weights": "transformers' PreTrainedModel method that runs _init_weights (construction._INIT_METHODS)",
 }
 
 
@@ -88,6 +89,8 @@ def test_the_scan_sees_the_private_names_torch_compat_uses() -> None:
     expected = {"_getframe", "_python_dispatch", "_C", "_set_grad_enabled", "_cdata", "_schema", "_spec"}
     expected |= {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_qkv_same_embed_dim"}
     expected |= {"_reset_parameters", "_fill_padding_idx_with_zero", "_ConvNd"}
+    expected |= {"_forward_pre_hooks", "_flat_weights_names", "_SpectralNorm", "_u", "_v", "_power_method"}
+    expected |= {"_reshape_weight_to_matrix", "_g"}
     assert expected <= seen, sorted(expected - seen)
 
 
@@ -205,3 +208,70 @@ def test_apply_ancestors_sees_the_apply_chain_and_nothing_else() -> None:
 
 def test_custom_shard_order_is_none_off_dtensors() -> None:
     assert tc.custom_shard_order(torch.zeros(2), ()) is None
+
+
+def test_caller_frame_is_the_calling_function() -> None:
+    def inner() -> str:
+        return tc.caller_frame().f_code.co_name
+
+    assert inner() == "inner"
+    assert tc.caller_frame().f_code is test_caller_frame_is_the_calling_function.__code__
+
+
+def test_forward_pre_hooks_is_the_live_hook_dict() -> None:
+    m = nn.Linear(2, 2)
+
+    def hook(module: nn.Module, args: tuple[object, ...]) -> None:
+        return None
+
+    handle = m.register_forward_pre_hook(hook)
+    assert list(tc.forward_pre_hooks(m).values()) == [hook]
+    handle.remove()
+    assert not tc.forward_pre_hooks(m)
+
+
+@pytest.mark.parametrize(
+    "rnn",
+    [nn.LSTM(3, 5, num_layers=2, bidirectional=True, proj_size=2), nn.GRU(3, 4, bias=False), nn.RNN(2, 3)],
+    ids=["lstm-proj-bi", "gru-nobias", "rnn"],
+)
+def test_rnn_weight_names_are_torch_flat_order(rnn: nn.RNNBase) -> None:
+    names = tc.rnn_weight_names(rnn)
+    assert names == [n for n, _ in rnn.named_parameters(recurse=False)]  # torch registers them in flat order
+    kinds = ["weight_ih", "weight_hh", *(["bias_ih", "bias_hh"] if rnn.bias else [])]
+    kinds += ["weight_hr"] if rnn.proj_size > 0 else []
+    suffixes = ["", "_reverse"] if rnn.bidirectional else [""]
+    fallback = [f"{k}_l{layer}{s}" for layer in range(rnn.num_layers) for s in suffixes for k in kinds]
+    assert names == fallback  # the documented public fallback builds the same list
+
+
+def test_spectral_norm_vectors_and_power_method() -> None:
+    from torch.nn.utils import parametrizations
+
+    m = parametrizations.spectral_norm(nn.Linear(4, 6))
+    p = m.parametrizations.weight[0]
+    vectors = tc.spectral_norm_vectors(p)
+    assert vectors is not None
+    u, v = vectors
+    assert u.shape == (6,)
+    assert v.shape == (4,)
+    with torch.no_grad():
+        u.fill_(1.0)
+        v.fill_(1.0)
+        tc.spectral_power_method(p, m.parametrizations.weight.original, 15)
+    assert not torch.equal(u, torch.ones(6))  # the iteration wrote the live buffers
+    sigma = torch.dot(u, m.parametrizations.weight.original @ v)
+    assert torch.allclose(sigma, torch.linalg.matrix_norm(m.parametrizations.weight.original, 2), rtol=1e-3)
+    vector = parametrizations.spectral_norm(nn.Linear(4, 1), name="bias")  # a vector: no u, v
+    assert tc.spectral_norm_vectors(vector.parametrizations.bias[0]) is None
+    assert tc.spectral_norm_vectors(nn.Identity()) is None
+
+
+def test_weight_norm_suffixes_name_the_old_hooks_parameters() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch deprecates the hook-based weight_norm
+        m = nn.utils.weight_norm(nn.Linear(3, 4))
+    names = {n for n, _ in m.named_parameters()}
+    assert {"weight" + tc.WEIGHT_NORM_G, "weight" + tc.WEIGHT_NORM_V} <= names

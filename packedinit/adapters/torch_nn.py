@@ -25,7 +25,7 @@ from torch import nn
 from ..errors import PackedInitError
 from ..layout import Layout
 from ..registry import Adapter
-from ..torch_compat import mha_in_proj_packed
+from ..torch_compat import mha_in_proj_packed, module_dict, param_dict, rnn_weight_names
 
 __all__ = [
     "ADAPTERS",
@@ -118,7 +118,7 @@ def rnn_layouts(module: nn.Module) -> dict[str, Layout]:
     gates = gate_layout(m)
     if gates is None or gates.num_parts == 1:
         return {}
-    return {n: gates for n in _gate_params(m, m._flat_weights_names)}
+    return {n: gates for n in _gate_params(m, rnn_weight_names(m))}
 
 
 def rnn_cell_layouts(module: nn.Module) -> dict[str, Layout]:
@@ -142,7 +142,8 @@ def _gate_params(m: nn.RNNBase | nn.RNNCellBase, names: list[str]) -> list[str]:
     Only what torch itself creates is claimed: a subclass's extra Parameter (a learned ``h0``,
     a gain) is one block, as any other parameter; ``weight_hr*`` (``proj_size``) is one matrix.
     """
-    own = {*m._parameters, *getattr(m._modules.get("parametrizations"), "_modules", {})}
+    held = module_dict(m).get("parametrizations")
+    own = {*param_dict(m), *(module_dict(held) if held is not None else {})}
     return [n for n in names if n in own and not n.startswith("weight_hr")]
 
 
