@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "RESET_METHOD",
+    "TORCH_WRAPPER_CHILDREN",
     "WEIGHT_NORM_G",
     "WEIGHT_NORM_V",
     "ConvNd",
@@ -276,3 +277,10 @@ def apply_ancestors(module: nn.Module, depth: int = 1) -> list[nn.Module] | None
             out.append(parent)
         f = f.f_back
     return out
+
+
+#: Child names under which torch's own wrappers keep the module they wrap: ``torch.compile``'s
+#: ``OptimizedModule`` (``_orig_mod``), FSDP1's ``FullyShardedDataParallel`` (``_fsdp_wrapped_module``)
+#: and activation checkpointing's ``CheckpointWrapper`` (``_checkpoint_wrapped_module``). Checked on
+#: torch 2.6.0, 2.13.0 and 2.15.0. No public fallback: the wrappers expose no accessor for the child.
+TORCH_WRAPPER_CHILDREN = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from .parametrized import parametrized_original
+from .torch_compat import TORCH_WRAPPER_CHILDREN, module_dict, param_dict
 
 __all__ = ["Found", "find", "missing", "WRAPPER_CHILDREN"]
 
 #: Child names under which a wrapper keeps the module it wraps (``module`` only for DDP/DataParallel).
-WRAPPER_CHILDREN = ("base_layer", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+WRAPPER_CHILDREN = ("base_layer", *TORCH_WRAPPER_CHILDREN)
 _PARALLEL = ("DistributedDataParallel", "DataParallel")
 
 
@@ -42,7 +43,7 @@ class Found:
 
 def _inner(owner: nn.Module) -> tuple[str, nn.Module] | None:
     """The module ``owner`` wraps and the child name it keeps it under, or ``None``."""
-    kids = owner._modules
+    kids = module_dict(owner)
     for name in WRAPPER_CHILDREN:
         inner = kids.get(name)
         if inner is not None:
@@ -88,32 +89,32 @@ def find(module: nn.Module, name: str) -> Found | None:
         return True
 
     for part in mods:
-        while part not in owner._modules:
+        while part not in module_dict(owner):
             if not step_in():
                 return None
-            owner = owner._modules[done[-1]]  # type: ignore[assignment]
-        sub = owner._modules[part]
+            owner = module_dict(owner)[done[-1]]
+        sub = module_dict(owner)[part]
         if sub is None:
             return None
         owner = sub
         done.append(part)
-    while leaf not in owner._parameters:
-        plist = owner._modules.get("parametrizations")
-        if plist is not None and leaf in plist._modules:
-            held = plist._modules[leaf]
+    while leaf not in param_dict(owner):
+        plist = module_dict(owner).get("parametrizations")
+        if plist is not None and leaf in module_dict(plist):
+            held = module_dict(plist)[leaf]
             assert held is not None
             key = "original"
-            if "original" not in held._parameters:  # weight_norm: g and v; v has the weight's shape
+            if "original" not in param_dict(held):  # weight_norm: g and v; v has the weight's shape
                 one = parametrized_original(owner, leaf, ".".join([*done, leaf]))
-                key = next(k for k, t in held._parameters.items() if t is one)
-            original = held._parameters[key]
+                key = next(k for k, t in param_dict(held).items() if t is one)
+            original = param_dict(held)[key]
             assert original is not None
             path = ".".join([*done, "parametrizations", leaf, key])
             return Found(held, key, original, path, (*via, f"parametrization of {leaf!r}"))
         if not step_in():
             return None
-        owner = owner._modules[done[-1]]  # type: ignore[assignment]
-    return Found(owner, leaf, owner._parameters[leaf], ".".join([*done, leaf]), tuple(via))
+        owner = module_dict(owner)[done[-1]]
+    return Found(owner, leaf, param_dict(owner)[leaf], ".".join([*done, leaf]), tuple(via))
 
 
 def missing(module: nn.Module, name: str) -> str:
@@ -122,19 +123,19 @@ def missing(module: nn.Module, name: str) -> str:
     owner = module
     done: list[str] = []
     for part in mods:
-        nxt = owner._modules.get(part)
+        nxt = module_dict(owner).get(part)
         inner = _inner(owner)
         while nxt is None and inner is not None:
             done.append(inner[0])
             owner = inner[1]
-            nxt, inner = owner._modules.get(part), _inner(owner)
+            nxt, inner = module_dict(owner).get(part), _inner(owner)
         if nxt is None:
             break
         owner = nxt
         done.append(part)
     at = repr(".".join(done)) if done else "the module itself"
-    params = [n for n in owner._parameters if owner._parameters[n] is not None]
-    kids = list(owner._modules)
+    params = [n for n in param_dict(owner) if param_dict(owner)[n] is not None]
+    kids = list(module_dict(owner))
     return (
         f"the name stops at {at}, a {type(owner).__module__}.{type(owner).__qualname__} with parameters "
         f"{params} and children {kids[:8]}{' ...' if len(kids) > 8 else ''}; if that module wraps the one "
