@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from packedinit.claims import resolve
-from packedinit.execute import LocalSink, Scratch, execute
+from packedinit.engine.execute import LocalSink, Scratch, execute
+from packedinit.engine.plan import Plan, Request, make_plan
 from packedinit.layout import Layout
-from packedinit.plan import Plan, Request, make_plan
+from packedinit.model.claims import resolve
 
 from .cases import Materialized
 

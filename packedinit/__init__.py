@@ -7,25 +7,31 @@ init function on its own.
 
 from __future__ import annotations
 
-from . import registry as _registry
-from .adapters import register_builtins as _register_builtins
-from .adapters.fused import fused_gate_up, fused_qkv
-from .api import ChunkedInit, chunked, chunked_init
-from .audit import AuditReport, BlockAudit, ParamAudit, Reference, audit
-from .chunks import Chunks, logical_blocks
-from .claims import annotate, layouts
-from .construction import deferred
-from .errors import PackedInitError
-from .layout import Layout, LogicalBlock
-from .plan import InitFn, InitSpec
-from .recipes import init_recurrent_, reset_parameters
-from .registry import Adapter, register, registered, unregister
-from .ties import to_empty
-from .torch_defaults import fix_torch_defaults
-from .trace import Inferred, infer_layouts
-from .walk import init_model
+import importlib
+
+from packedinit.adapters import register_builtins as _register_builtins
+from packedinit.adapters.fused import fused_gate_up, fused_qkv
+from packedinit.api import ChunkedInit, chunked, chunked_init
+from packedinit.auditing.measure import AuditReport, BlockAudit, ParamAudit, Reference, audit
+from packedinit.engine.chunks import Chunks, logical_blocks
+from packedinit.engine.plan import InitFn, InitSpec
+from packedinit.errors import PackedInitError
+from packedinit.layout import Layout, LogicalBlock
+from packedinit.model import registry as _registry
+from packedinit.model.claims import annotate, layouts
+from packedinit.model.registry import Adapter, register, registered, unregister
+from packedinit.model.ties import to_empty
+from packedinit.model.walk import init_model
+from packedinit.recipes.construction import deferred
+from packedinit.recipes.recurrent import init_recurrent_
+from packedinit.recipes.reset import reset_parameters
+from packedinit.recipes.torch_defaults import fix_torch_defaults
+from packedinit.trace.forward import Inferred, infer_layouts
 
 _registry.set_builtin_loader(_register_builtins)  # built-in adapters register on the registry's first use
+# ``packedinit.audit`` is the module of that name, callable as the audit function (see packedinit/audit.py):
+# ``packedinit.audit(model)`` and ``packedinit.audit.DEFAULT_REFERENCES`` both work.
+importlib.import_module("packedinit.audit")
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""``python -m packedinit`` and the ``packedinit`` console script (see :mod:`packedinit.cli`)."""
+"""``python -m packedinit`` and the ``packedinit`` console script (see :mod:`packedinit.cli.command`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     Exit codes: 0 ok; 1 ``--check`` found packed-init signatures; 2 bad command
     line or target; 3 packedinit refused the model; 130 interrupted.
     """
-    from .cli import main as cli_main
+    from packedinit.cli.command import main as cli_main
 
     return cli_main(argv)
 

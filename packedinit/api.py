@@ -1,8 +1,8 @@
 """The front door: ``chunked_init`` and ``chunked``, dispatching tensor vs DTensor vs module.
 
-Plan first (pure, validated, nothing written), then apply: see :mod:`packedinit.plan` and
-:mod:`packedinit.execute`. An unpacked tensor (``chunks=None`` or ``chunks=1``) takes the
-lean path where :func:`packedinit.lean.route` says so: the init function is called on the
+Plan first (pure, validated, nothing written), then apply: see :mod:`packedinit.engine.plan` and
+:mod:`packedinit.engine.execute`. An unpacked tensor (``chunks=None`` or ``chunks=1``) takes the
+lean path where :func:`packedinit.engine.lean.route` says so: the init function is called on the
 tensor itself, exactly as a plain call would.
 """
 
@@ -16,15 +16,15 @@ from typing import Any, Concatenate, ParamSpec, Protocol, overload
 from torch import Tensor, nn
 from torch.nn import init as _init
 
-from .chunks import Chunks
-from .errors import PackedInitError
-from .layout import Layout, is_int
-from .lean import PLAIN_TYPES, TORCH, lean_call, route
-from .marks import param_layout
-from .plan import InitSpec, Request
-from .run import run
-from .traits import base, hashable_in
-from .walk import apply_ancestors, module_call
+from packedinit.engine.chunks import Chunks
+from packedinit.engine.lean import PLAIN_TYPES, TORCH, lean_call, route
+from packedinit.engine.plan import InitSpec, Request
+from packedinit.engine.run import run
+from packedinit.engine.traits import base, hashable_in
+from packedinit.errors import PackedInitError
+from packedinit.layout import Layout, is_int
+from packedinit.model.marks import param_layout
+from packedinit.model.walk import apply_ancestors, module_call
 
 __all__ = ["chunked_init", "chunked", "ChunkedInit"]
 

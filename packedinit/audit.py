@@ -1,42 +1,45 @@
-r"""Read-only audit of a model's packed parameters: is my model affected?
+"""``packedinit.audit``: the audit function, and the documented module of its statistics.
 
-For every packed parameter (see :func:`packedinit.layouts`) and every logical
-block of it, the audit measures the block's std, kurtosis and ``max|w|`` and
-tests them against common initialisers run on the block alone (*per block*)
-and on the whole stored tensor (*packed*): the std within 5 standard errors
-(:math:`\sqrt{(\kappa-1)/(4n)}` relative, :math:`\kappa` the kurtosis of the
-init's distribution), the kurtosis (1.8 for uniform draws, about 3 for normal
-and orthogonal ones), and for uniform inits the exact bound on ``|w|``. A
-parameter's verdict pools its blocks. ``packed`` is said only when nothing but
-a whole-tensor init fits; where the numbers cannot tell, the verdict is
-``undecided``. Inits whose std does not depend on the shape (``normal_(0, 0.02)``,
-HF's scaled residual projections, torch's recurrent default) are
-``fan-independent``: packing does not change them. The module's own default
-(torch's ``LSTM``/``GRU``/``RNN`` cells) and the model config's
-``initializer_range`` are added to the references for the parameters they cover.
+``packedinit.audit(model)`` is :func:`packedinit.auditing.measure.audit`. This module is
+callable as that function, so the documented paths keep working both ways:
+``from packedinit.audit import DEFAULT_REFERENCES, tolerance, audit_tensors`` and
+``packedinit.audit.DEFAULT_REFERENCES`` as well as ``packedinit.audit(model)``. The code lives
+in :mod:`packedinit.auditing` (statistics, verdicts, report, "looks packed" guesses, measuring).
 
-Parameters that no adapter or annotation describes but that look fused (a
-``qkv`` linear layer, ...) are listed as *looks packed*, audited with a guessed
-layout, with a ready-to-paste :func:`packedinit.annotate` line (see
-:mod:`packedinit.audit_suspects`). The report ends with a one-line answer.
+Examples:
+    >>> import torch, packedinit
+    >>> import packedinit.audit as m
+    >>> m is packedinit.audit, callable(m), len(m.DEFAULT_REFERENCES) > 0
+    (True, True, True)
+    >>> packedinit.audit(torch.nn.MultiheadAttention(64, 4)).affected
+    ('in_proj_weight',)
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import inspect
+import sys
+import types
 from typing import Any
 
-import torch
-from torch import Tensor, nn
-
-from .audit_report import AuditReport, BlockAudit, ParamAudit, Suspect, compact, multi_block, render
-from .audit_stats import DEFAULT_REFERENCES, TOL_FLOOR, ExpectedStd, Moments, Reference, Z, moments, tolerance
-from .audit_suspects import guesses
-from .audit_verdict import Judgement, Sample, Verdict, judge
-from .errors import PackedInitError
-from .layout import Layout, LogicalBlock
+from packedinit.auditing.measure import (
+    DEFAULT_REFERENCES,
+    TOL_FLOOR,
+    AuditReport,
+    BlockAudit,
+    ExpectedStd,
+    ParamAudit,
+    Reference,
+    Suspect,
+    Verdict,
+    Z,
+    audit,
+    audit_tensors,
+    compact,
+    context_references,
+    render,
+    tolerance,
+)
 
 __all__ = [
     "AuditReport",
@@ -58,371 +61,13 @@ __all__ = [
 ]
 
 
-def _is_dtensor(t: Tensor) -> bool:
-    cls = type(t)
-    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+class _CallableModule(types.ModuleType):
+    """This module, callable as :func:`packedinit.auditing.measure.audit` (``packedinit.audit(model)``)."""
+
+    __signature__ = inspect.signature(audit)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> AuditReport:
+        return audit(*args, **kwargs)
 
 
-def _unmeasured_reason(t: Tensor) -> str | None:
-    if t.is_meta:
-        return "meta tensor: shapes and fans only"
-    if _is_dtensor(t):
-        return "sharded DTensor: values not gathered (audit an unsharded copy, or shapes only)"
-    if not (t.dtype.is_floating_point or t.dtype.is_complex) or t.is_complex():
-        return f"{t.dtype} values: no std to compare"
-    return None
-
-
-_NON_FINITE = "unmeasured: every value is nan or inf"
-_OVERFLOW = "unknown: values too large for statistics (their moments overflow)"
-
-
-def _measure(view: Tensor) -> tuple[Moments | None, int]:
-    """The block's moments, measured around nan/inf values (a copy of the finite ones, only then), and their count."""
-    m = moments(view)
-    if m.finite:
-        return m, 0
-    keep = torch.isfinite(view)
-    bad = int(view.numel() - int(keep.sum()))
-    if bad == 0:  # finite values whose moments overflow (huge magnitudes): nothing to leave out
-        return m, 0
-    finite = view[keep]
-    return (moments(finite) if finite.numel() > 0 else None), bad
-
-
-def _judge_block(
-    m: Moments | None, block: LogicalBlock, shape: tuple[int, ...], refs: Sequence[Reference], bad: int = 0
-) -> Judgement:
-    if m is None:
-        return Judgement("unmeasured", (), _NON_FINITE if bad else "unmeasured")
-    if not m.finite:
-        return Judgement("unknown", (), _OVERFLOW)
-    if m.std == 0.0:
-        return Judgement("constant", (), f"constant ({m.mean:.4g})")
-    if block.fan_in is None:
-        return Judgement("n/a", (), "n/a (1-D: no fans)")
-    return judge([Sample(m.n, m.std, m.kurtosis, m.maxabs, tuple(block.shape), shape)], refs)
-
-
-def _param_verdict(blocks: Sequence[BlockAudit], shape: tuple[int, ...], refs: Sequence[Reference]) -> Judgement:
-    kinds = {b.verdict for b in blocks}
-    if "unmeasured" in kinds or not blocks:
-        all_bad = any(b.detail == _NON_FINITE for b in blocks)
-        return Judgement("unmeasured", (), _NON_FINITE if all_bad else "unmeasured")
-    if any(b.detail == _OVERFLOW for b in blocks):
-        return Judgement("unknown", (), _OVERFLOW)
-    informative = [b for b in blocks if b.verdict not in ("constant", "n/a")]
-    if not informative:
-        if kinds == {"constant"}:
-            return Judgement("constant", (), "constant")
-        return Judgement("n/a", (), "n/a (1-D: no fans)")
-    if "packed" in kinds and kinds & {"per-block", "fan-independent"}:
-        per = [b.label for b in blocks if b.verdict in ("per-block", "fan-independent")]
-        pk = [b.label for b in blocks if b.verdict == "packed"]
-        return Judgement("mixed", (), f"mixed: per-block {', '.join(per)}; packed {', '.join(pk)}")
-    samples = [
-        Sample(b.numel, b.std, b.kurtosis or 3.0, b.maxabs or 0.0, b.shape, shape)
-        for b in informative
-        if b.std is not None
-    ]
-    return judge(samples, refs)
-
-
-def _audit_one(
-    name: str, t: Tensor, layout: Layout, refs: Sequence[Reference], aliases: Sequence[str], module: str
-) -> ParamAudit:
-    shape = tuple(int(s) for s in t.shape)
-    reason = _unmeasured_reason(t)
-    blocks: list[BlockAudit] = []
-    non_finite = 0
-    for b in layout.blocks(shape, param=name):
-        m, bad = _measure(layout.storage_view(t, b)) if reason is None and b.numel > 0 else (None, 0)
-        non_finite += bad
-        expected = tuple(ExpectedStd(r.name, r.std(tuple(b.shape)), r.std(shape)) for r in refs)
-        j = _judge_block(m, b, shape, refs, bad)
-        kurt = m.kurtosis if m is not None else None
-        blocks.append(
-            BlockAudit(
-                index=b.index,
-                label=b.label,
-                shape=tuple(b.shape),
-                fan_in=b.fan_in,
-                fan_out=b.fan_out,
-                numel=b.numel,
-                mean=None if m is None else m.mean,
-                std=None if m is None else m.std,
-                kurtosis=kurt,
-                expected=expected,
-                tolerance=tolerance(b.numel, 3.0 if kurt is None else kurt),
-                verdict=j.verdict,
-                matches=j.matches,
-                detail=j.detail,
-                maxabs=None if m is None else m.maxabs,
-                decided_by=j.decided_by,
-            )
-        )
-    j = _param_verdict(blocks, shape, refs)
-    detail = j.detail
-    if j.verdict == "packed" and not multi_block(layout):
-        detail = detail.replace("packed:", "packed (the init ran on the stored shape, not the logical one):", 1)
-    return ParamAudit(
-        name=name,
-        aliases=tuple(aliases),
-        shape=shape,
-        dtype=str(t.dtype).removeprefix("torch."),
-        device=str(t.device),
-        layout=layout,
-        blocks=tuple(blocks),
-        verdict=j.verdict,
-        matches=j.matches,
-        detail=detail,
-        note=reason or (f"{non_finite} nan/inf value(s) left out of the statistics" if non_finite else None),
-        module=module,
-        non_finite=non_finite,
-        decided_by=j.decided_by,
-        fns=j.fns,
-        context=tuple(r for r in refs if r not in DEFAULT_REFERENCES),
-    )
-
-
-def _check_refs(refs: Sequence[Reference]) -> None:
-    names = [r.name for r in refs]
-    if len(set(names)) != len(names):
-        raise PackedInitError(f"references have repeated names {names}; give each Reference a unique name.")
-
-
-def audit_tensors(
-    items: Iterable[tuple[str, Tensor, Layout]],
-    *,
-    references: Sequence[Reference] = DEFAULT_REFERENCES,
-    aliases: Mapping[str, Sequence[str]] | None = None,
-    unpacked: int = 0,
-    model: str = "",
-    progress: Callable[[int, int, str], None] | None = None,
-    context: Mapping[str, Sequence[Reference]] | None = None,
-    modules: Mapping[str, str] | None = None,
-) -> AuditReport:
-    """Audit ``(name, tensor, layout)`` triples; the engine of :func:`audit`.
-
-    Args:
-        items: the packed tensors with their layouts.
-        references: the inits to compare with (default :data:`DEFAULT_REFERENCES`).
-        aliases: other names of each tensor (tied weights), by name.
-        unpacked: number of parameters not audited (reported only).
-        model: the model's name (reported only).
-        progress: called as ``progress(done, total, name)`` before each tensor.
-        context: more references per tensor name (e.g. from :func:`context_references`).
-        modules: the owning module's class name per tensor name (reported; picks the fix line).
-
-    Raises:
-        PackedInitError: a layout that does not fit its tensor's shape, or references with repeated names.
-
-    Examples:
-        >>> w = torch.randn(96, 32)  # any tensor, with a layout you give: std 1 is no xavier
-        >>> audit_tensors([("w", w, Layout(0, [32] * 3))], references=DEFAULT_REFERENCES[:1])["w"].verdict
-        'unknown'
-    """
-    items = list(items)
-    refs = tuple(references)
-    _check_refs(refs)
-    for name, t, layout in items:
-        if not isinstance(t, Tensor):
-            raise PackedInitError(f"parameter {name!r}: expected a tensor, got {type(t).__name__}.")
-        if not isinstance(layout, Layout):
-            raise PackedInitError(f"parameter {name!r}: expected a Layout, got {type(layout).__name__}.")
-        layout.check(t.shape, param=name)
-    params: list[ParamAudit] = []
-    with torch.no_grad():
-        for k, (name, t, layout) in enumerate(items):
-            if progress is not None:
-                progress(k, len(items), name)
-            known = {(x.fn, x.kwargs) for x in refs}  # a context init equal to a reference adds nothing
-            extra = [r for r in (context or {}).get(name, ()) if (r.fn, r.kwargs) not in known]
-            all_refs = (*refs, *extra)
-            _check_refs(all_refs)
-            params.append(
-                _audit_one(name, t, layout, all_refs, (aliases or {}).get(name, ()), (modules or {}).get(name, ""))
-            )
-    if progress is not None:
-        progress(len(items), len(items), "")
-    return AuditReport(params=tuple(params), references=refs, unpacked=unpacked, model=model)
-
-
-def context_references(model: nn.Module, module: nn.Module) -> tuple[Reference, ...]:
-    r"""References known from where a parameter lives: its module's default and the model's config.
-
-    * torch's recurrent modules and cells (``RNN``, ``LSTM``, ``GRU``, ``*Cell``):
-      ``rnn_default``, ``uniform_(-1/sqrt(H), 1/sqrt(H))`` with ``H = hidden_size``;
-    * a model with ``config.initializer_range`` :math:`r` (transformers): ``init_range``,
-      ``normal_(0, r)``, and with ``config.num_hidden_layers`` :math:`L`, ``scaled_residual``,
-      ``normal_(0, r / sqrt(2 L))`` (GPT-2's ``c_proj``, and others').
-
-    Examples:
-        >>> [r.describe() for r in context_references(torch.nn.GRU(4, 16), torch.nn.GRU(4, 16))]
-        ['uniform_ (a=-0.25, b=0.25)']
-    """
-    out: list[Reference] = []
-    if isinstance(module, (nn.RNNBase, nn.RNNCellBase)) and int(module.hidden_size) > 0:
-        k = 1.0 / math.sqrt(int(module.hidden_size))
-        out.append(Reference.of("uniform_", name="rnn_default", note="torch's recurrent default", a=-k, b=k))
-    config = getattr(model, "config", None)
-    r = getattr(config, "initializer_range", None)
-    if isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0:
-        out.append(Reference.of("normal_", name="init_range", note="config.initializer_range", std=float(r)))
-        layers = getattr(config, "num_hidden_layers", None)
-        if isinstance(layers, int) and layers > 0:
-            out.append(
-                Reference.of(
-                    "normal_",
-                    name="scaled_residual",
-                    note="initializer_range / sqrt(2 * n_layer)",
-                    std=float(r) / math.sqrt(2 * layers),
-                )
-            )
-    return tuple(out)
-
-
-def _owner(model: nn.Module, name: str) -> nn.Module:
-    path = name.rpartition(".")[0]
-    try:
-        return model.get_submodule(path) if path else model
-    except AttributeError:  # a name a layout gave that is not a module path: no context
-        return model
-
-
-def audit(
-    model: nn.Module,
-    *,
-    layouts: Mapping[str, Layout] | None = None,
-    references: Sequence[Reference] = DEFAULT_REFERENCES,
-    progress: Callable[[int, int, str], None] | None = None,
-    suspects: bool = True,
-    example_inputs: tuple[Any, ...] | Mapping[str, Any] | None = None,
-) -> AuditReport:
-    r"""Audit every packed parameter of ``model``: is its init per block, or packed?
-
-    Read-only: nothing is written, no parameter is copied (each block is read
-    through :meth:`Layout.storage_view`; only fp16/bf16 blocks are upcast, one
-    block at a time). For every packed parameter and every logical block it
-    reports the logical shape, fans, measured mean, std, kurtosis and ``max|w|``,
-    and for each reference init (:data:`DEFAULT_REFERENCES`: xavier, kaiming
-    fan_in/fan_out with torch's default ``a=0, nonlinearity="leaky_relu"``,
-    orthogonal, ``nn.Linear``'s default, ``normal_(0, 0.02)``; plus the module's own
-    default and the config's ``initializer_range``, see :func:`context_references`)
-    the std it gives the block alone and the whole stored tensor. The verdict says
-    which the values fit and which signal decided (see the module docstring).
-    Tied parameters are audited once, under their first name, with the others as
-    ``aliases``. Meta tensors give shapes and fans only (``std=None``, verdict
-    ``"unmeasured"``).
-
-    For ``nn.MultiheadAttention(E, h)`` torch's default runs ``xavier_uniform_``
-    on the packed ``(3E, E)`` weight: std :math:`\sqrt{2/4E}` instead of the
-    per-block :math:`\sqrt{2/2E}`, so each of q, k, v is :math:`\sqrt 2` too small.
-
-    Args:
-        model: the model (any device, meta included).
-        layouts: ``{parameter name: Layout}`` to audit instead of
-            :func:`packedinit.layouts` ``(model)`` (no "looks packed" guesses then).
-        references: the inits to compare with.
-        progress: called as ``progress(done, total, name)``, e.g. for a progress bar.
-        suspects: look for parameters nobody described that look packed (default ``True``).
-        example_inputs: positional (a tuple) or keyword (a mapping) arguments of
-            ``model(...)``: the "looks packed" guesses then come from the forward itself
-            (:func:`packedinit.infer_layouts`: uneven and per-head splits, stacked experts),
-            and a weight the forward uses whole is not guessed.
-
-    Returns:
-        An :class:`AuditReport`; ``report.affected`` names the parameters whose init ran
-        on a whole packed tensor, ``report.answer()`` says it in one line.
-
-    Raises:
-        PackedInitError: a name in ``layouts`` that is not a parameter of ``model``,
-            or a layout that does not fit its parameter.
-
-    Examples:
-        >>> mha = torch.nn.MultiheadAttention(64, 4)  # torch's default init: packed xavier
-        >>> report = audit(mha)
-        >>> [(b.label, b.verdict) for b in report["in_proj_weight"].blocks]
-        [('q', 'packed'), ('k', 'packed'), ('v', 'packed')]
-        >>> report["in_proj_weight"].blocks[0].detail
-        'packed: xavier (per-block std would be 1.41x); decided by std'
-        >>> from packedinit import chunked_init
-        >>> _ = chunked_init(mha.in_proj_weight, 3, 0, torch.nn.init.xavier_uniform_)
-        >>> audit(mha)["in_proj_weight"].verdict
-        'per-block'
-        >>> audit(torch.nn.GRU(64, 128))["weight_ih_l0"].verdict  # torch's own default: not packed
-        'fan-independent'
-    """
-    if not isinstance(model, nn.Module):
-        raise PackedInitError(f"audit(model) needs an nn.Module, got {type(model).__name__}.")
-    guess = suspects and layouts is None
-    if layouts is None:
-        from .claims import layouts as _layouts
-
-        layouts = _layouts(model)
-    all_named = list(model.named_parameters(remove_duplicate=False))
-    first_name: dict[int, str] = {}
-    names_of: dict[int, list[str]] = {}
-    by_name: dict[str, Tensor] = {}
-    for n, p in all_named:
-        by_name[n] = p
-        first_name.setdefault(id(p), n)
-        names_of.setdefault(id(p), []).append(n)
-    items: list[tuple[str, Tensor, Layout]] = []
-    seen: set[int] = set()
-    for name, layout in layouts.items():
-        t = by_name.get(name)
-        if t is None:
-            raise PackedInitError(
-                f"layouts names {name!r}, which is not a parameter of {type(model).__name__}; "
-                f"parameters: {[n for n, _ in all_named][:12]}{' ...' if len(all_named) > 12 else ''}."
-            )
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        items.append((first_name[id(t)], t, layout))
-    order = {n: i for i, n in enumerate(by_name)}
-    items.sort(key=lambda it: order[it[0]])
-    aliases = {first_name[i]: [n for n in ns if n != first_name[i]] for i, ns in names_of.items() if len(ns) > 1}
-    lazy = tuple(n for n, p in all_named if isinstance(p, nn.parameter.UninitializedParameter))
-    traced = None
-    if guess and example_inputs is not None:
-        from .trace import infer_layouts
-
-        args, kwargs = ((), example_inputs) if isinstance(example_inputs, Mapping) else (example_inputs, {})
-        traced = infer_layouts(model, *args, **kwargs)
-    found = guesses(model, {*lazy, *(n for i in seen for n in names_of[i])}, traced) if guess else []
-    found = [g for g in found if id(g.param) not in seen]
-    context: dict[str, tuple[Reference, ...]] = {}
-    modules: dict[str, str] = {}
-    for name in [it[0] for it in items] + [g.name for g in found]:
-        owner = _owner(model, name)
-        context[name] = context_references(model, owner)
-        modules[name] = type(owner).__name__
-    unpacked = len(names_of) - len(items) - len(found) - len(lazy)
-    report = audit_tensors(
-        items,
-        references=references,
-        aliases=aliases,
-        unpacked=unpacked,
-        model=type(model).__name__,
-        progress=progress,
-        context=context,
-        modules=modules,
-    )
-    if lazy:
-        report = dataclasses.replace(report, lazy=lazy)
-    if not found:
-        return report
-    guessed = audit_tensors(
-        [(g.name, g.param, g.layout) for g in found], references=references, context=context, modules=modules
-    )
-    sus = tuple(Suspect(g.name, g.why, g.layout, g.annotate, p) for g, p in zip(found, guessed.params, strict=True))
-    return AuditReport(
-        params=report.params,
-        references=report.references,
-        unpacked=unpacked,
-        model=report.model,
-        suspects=sus,
-        lazy=lazy,
-    )
+sys.modules[__name__].__class__ = _CallableModule

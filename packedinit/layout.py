@@ -19,7 +19,7 @@ from typing import SupportsIndex, TypeGuard
 import torch
 from torch import Tensor
 
-from .errors import PackedInitError
+from packedinit.errors import PackedInitError
 
 __all__ = ["Layout", "LogicalBlock", "fmt_shape", "fans", "is_int", "where_prefix"]
 

@@ -242,7 +242,7 @@ def _global_params_checks(mesh: Any) -> Results:
     """``global_params``: writes land in the shard, untouched tensors keep their values, failures restore."""
     from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
-    from packedinit.distributed import global_params
+    from packedinit.engine.distributed import global_params
 
     lin = nn.Linear(4, 6)
     weight = nn.Parameter(distribute_tensor(torch.full((6, 4), 0.5), mesh, [Shard(0)]))
@@ -407,7 +407,7 @@ def whole_model_init(model: nn.Module) -> None:
 
 def modules_own_reset(model: nn.Module) -> None:
     """Each module's own ``reset_parameters()`` inside ``global_params`` (MHA's q/k/v per block instead)."""
-    from packedinit.distributed import global_params
+    from packedinit.engine.distributed import global_params
 
     for m in model.modules():
         if isinstance(m, nn.MultiheadAttention):
@@ -420,7 +420,7 @@ def modules_own_reset(model: nn.Module) -> None:
 
 def packedinit_reset(model: nn.Module) -> None:
     """``packedinit``'s ``reset_parameters(model)``: every module's default init, MHA per q/k/v block."""
-    from packedinit.recipes import reset_parameters
+    from packedinit.recipes.reset import reset_parameters
 
     reset_parameters(model)
 

@@ -174,6 +174,6 @@ def test_every_public_name_is_on_the_page(api_page: Node) -> None:
     assert missing == ["audit"]  # packedinit.audit is the submodule's name here; the function is below
     assert "packedinit.audit.audit" in ids
     for name in ("main", "affected", "json_safe"):
-        assert f"packedinit.cli.{name}" in ids
+        assert f"packedinit.cli.command.{name}" in ids
     for name in ("Target", "parse_target", "parse_init", "parse_seed", "build_target"):
-        assert f"packedinit.cli_parse.{name}" in ids
+        assert f"packedinit.cli.parse.{name}" in ids

@@ -16,7 +16,7 @@ from torch import nn
 
 import packedinit
 from packedinit import Layout, audit
-from packedinit.cli import EXIT_CANNOT_TELL, EXIT_OK, EXIT_PACKED, EXIT_USAGE, main
+from packedinit.cli.command import EXIT_CANNOT_TELL, EXIT_OK, EXIT_PACKED, EXIT_USAGE, main
 
 
 def run_main(*args: str) -> tuple[int, str, str]:

@@ -8,7 +8,7 @@ from torch import nn
 
 import packedinit
 from packedinit import Layout
-from packedinit.audit import audit
+from packedinit.auditing.measure import audit
 
 init = nn.init
 

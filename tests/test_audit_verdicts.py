@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from packedinit import Layout, chunked_init
-from packedinit.audit import Reference, audit, audit_tensors
-from packedinit.cli import main as cli_main
+from packedinit.auditing.measure import Reference, audit, audit_tensors
+from packedinit.cli.command import main as cli_main
 
 init = nn.init
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,8 +15,8 @@ import transformers
 from torch import nn
 
 import packedinit
-from packedinit.audit import AuditReport, audit
-from packedinit.cli import main as cli_main
+from packedinit.auditing.measure import AuditReport, audit
+from packedinit.cli.command import main as cli_main
 
 transformers.logging.set_verbosity_error()
 init = nn.init

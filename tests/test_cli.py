@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from packedinit.__main__ import main as entry_main
-from packedinit.cli import (
+from packedinit.cli.command import (
     EXIT_OK,
     EXIT_PACKED,
     EXIT_REFUSED,

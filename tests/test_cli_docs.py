@@ -10,8 +10,16 @@ from pathlib import Path
 
 import pytest
 
-import packedinit.cli as cli
-from packedinit.cli import EXIT_CANNOT_TELL, EXIT_INTERRUPTED, EXIT_OK, EXIT_PACKED, EXIT_REFUSED, EXIT_USAGE, main
+import packedinit.cli.command as cli
+from packedinit.cli.command import (
+    EXIT_CANNOT_TELL,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_PACKED,
+    EXIT_REFUSED,
+    EXIT_USAGE,
+    main,
+)
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "pages" / "cli.md"
 

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 import packedinit
-from packedinit.audit import audit
-from packedinit.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_PACKED, EXIT_USAGE, affected, json_safe, main
-from packedinit.cli_parse import SEED_MAX, UsageError, build_target, did_you_mean, parse_init, parse_target
+from packedinit.auditing.measure import audit
+from packedinit.cli.command import EXIT_INTERRUPTED, EXIT_OK, EXIT_PACKED, EXIT_USAGE, affected, json_safe, main
+from packedinit.cli.parse import SEED_MAX, UsageError, build_target, did_you_mean, parse_init, parse_target
 
 ROOT = Path(__file__).resolve().parent.parent
 DEEP = "[" * 60_000 + "]" * 60_000  # MemoryError / RecursionError in the parser

@@ -297,7 +297,7 @@ def test_fsdp2_meta_flow_tiny_gpt2(launched_gpt2: tuple[int, list[dict[str, Any]
 
 def test_plain_tensor_path_is_untouched_by_distributed_import() -> None:
     """Importing the distributed module changes nothing for plain tensors (no process group needed)."""
-    import packedinit.distributed  # noqa: F401  # the import itself is under test
+    import packedinit.engine.distributed  # noqa: F401  # the import itself is under test
 
     torch.manual_seed(0)
     a = chunked_init(torch.empty(12, 4), 3, 0, init.xavier_uniform_)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml  # type: ignore[import-untyped]  # PyYAML ships no type stubs
 
-from packedinit.cli import main
+from packedinit.cli.command import main
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

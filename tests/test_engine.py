@@ -22,9 +22,9 @@ from torch import Tensor, nn
 from torch.nn import init
 
 from packedinit import Layout, PackedInitError, chunked, chunked_init
-from packedinit.execute import LocalSink, Scratch, execute
-from packedinit.plan import Request, make_plan
-from packedinit.traits import sparse_ as _sparse_
+from packedinit.engine.execute import LocalSink, Scratch, execute
+from packedinit.engine.plan import Request, make_plan
+from packedinit.engine.traits import sparse_ as _sparse_
 
 Shape = tuple[int, ...]
 

@@ -557,8 +557,8 @@ def test_unpacked_inference_tensor_is_exactly_torch() -> None:
 
 
 def test_parameter_name_is_in_the_message() -> None:
-    from packedinit.plan import Request
-    from packedinit.run import run
+    from packedinit.engine.plan import Request
+    from packedinit.engine.run import run
 
     t = seeded(10, 4)
     with pytest.raises(PackedInitError, match=r"parameter 'attn\.in_proj_weight' of shape \(10, 4\)"):

@@ -105,7 +105,7 @@ def test_stored_reference_is_torch_on_the_stored_tensor() -> None:
 def test_transposed_blocks_drawn_in_stored_order(
     fn: Callable[..., Tensor], inp: int, out: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import packedinit.orient as orient
+    import packedinit.engine.orient as orient
 
     monkeypatch.setattr(orient, "BAND", 256)  # small bands, so that blocks this size take several
     want = stored([(out, inp)] * 3, fn, dtype)
@@ -117,7 +117,7 @@ def test_transposed_blocks_drawn_in_stored_order(
 
 @pytest.mark.parametrize("fn", STORED_FNS, ids=STORED_IDS)
 def test_stacked_experts_and_interleaved_transposed(fn: Callable[..., Tensor], monkeypatch: pytest.MonkeyPatch) -> None:
-    import packedinit.orient as orient
+    import packedinit.engine.orient as orient
 
     monkeypatch.setattr(orient, "BAND", 64)
     n, e, i = 3, 40, 5  # GPT-OSS gate_up (n, E, 2I), gate/up interleaved along the last dim
@@ -164,9 +164,9 @@ def test_orientation_dependent_functions_keep_the_logical_block(fn: Callable[...
 
 def test_transposed_dtensor_path_draws_like_the_local_one() -> None:
     # the shard sink (DTensor path) fills whole blocks in a buffer: the same stored-order reference
-    from packedinit.distributed import ShardSink
-    from packedinit.execute import Scratch, execute
-    from packedinit.plan import Request, make_plan
+    from packedinit.engine.distributed import ShardSink
+    from packedinit.engine.execute import Scratch, execute
+    from packedinit.engine.plan import Request, make_plan
 
     inp, out = 40, 9
     lay = Layout(1, [out] * 3, transposed=True)

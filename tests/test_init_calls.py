@@ -17,8 +17,8 @@ from torch.nn.init import xavier_uniform_ as bound_before  # bound at import: th
 
 import packedinit
 from packedinit import Layout, audit, chunked_init, fix_torch_defaults, layouts, reset_parameters
-from packedinit.init_calls import FAN_FNS, intercepting, packed_layout
-from packedinit.torch_defaults import torch_defaults_fixed
+from packedinit.recipes.init_calls import FAN_FNS, intercepting, packed_layout
+from packedinit.recipes.torch_defaults import torch_defaults_fixed
 
 TORCH = {name: getattr(torch.nn.init, name) for name in FAN_FNS}
 HF_TABLE = dict(hf_init.TORCH_INIT_FUNCTIONS)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from packedinit import Layout, LogicalBlock, PackedInitError, logical_blocks
-from packedinit.chunks import as_layout
+from packedinit.engine.chunks import as_layout
 
 
 def storage_index(

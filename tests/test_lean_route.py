@@ -1,4 +1,4 @@
-"""One decision for the lean path (packedinit.lean.route): every entry point gives the same numbers.
+"""One decision for the lean path (packedinit.engine.lean.route): every entry point gives the same numbers.
 
 An unpacked tensor reaches the engine four ways: ``chunked_init(t, None, None, f)``, ``chunked(f)(t)``,
 ``chunked_init(t, 1, 0, f)`` (through ``run``) and the whole-model walk (``init_model``). Each asks
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.nn import init
 
 from packedinit import chunked, chunked_init, init_model
-from packedinit.lean import GENERAL, SKIP, TORCH, USER, route
+from packedinit.engine.lean import GENERAL, SKIP, TORCH, USER, route
 
 FNS: list[tuple[Callable[..., Tensor], dict[str, Any]]] = [
     (init.uniform_, {"a": -0.3, "b": 0.2}),

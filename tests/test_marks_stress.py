@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.init import xavier_uniform_
 
 from packedinit import Layout, PackedInitError, annotate, chunked, chunked_init, layouts
-from packedinit.marks import param_layout
+from packedinit.model.marks import param_layout
 
 E = 8
 QKV = Layout(0, [E, E, E], names=("q", "k", "v"))

@@ -14,7 +14,7 @@ from torch.nn.utils import parametrizations, parametrize
 
 import packedinit
 from packedinit import PackedInitError, reset_parameters
-from packedinit.distributed import global_params
+from packedinit.engine.distributed import global_params
 
 
 def on_meta(make: Callable[[], nn.Module], *, keep_ties: bool = False) -> nn.Module:

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from packedinit import layouts
-from packedinit.recipes import reset_parameters
+from packedinit.recipes.reset import reset_parameters
 
 transformers = pytest.importorskip("transformers", reason="needs the test extras: pip install -e '.[test]'")
 

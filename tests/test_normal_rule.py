@@ -2,7 +2,7 @@
 
 torch's CPU kernel fills a contiguous tensor of >= 16 elements in groups of 16 (the tail
 redrawn as the last 16) and draws a smaller one by a scalar path. The engine merges adjacent
-blocks into one call only under :func:`packedinit.traits.normal_merges`; these tests prove the
+blocks into one call only under :func:`packedinit.engine.traits.normal_merges`; these tests prove the
 rule exact against torch itself (bit for bit, RNG state after included) and the engine
 bit-identical to separate tensors on every split.
 """
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch.nn.init import kaiming_normal_, normal_
 
 from packedinit import Layout, chunked_init
-from packedinit.traits import normal_merges
+from packedinit.engine.traits import normal_merges
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 

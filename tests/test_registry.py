@@ -18,8 +18,8 @@ import packedinit
 from packedinit import Layout, PackedInitError, annotate, layouts, register, registered, unregister
 from packedinit.adapters import _import_optional
 from packedinit.adapters.torch_nn import multihead_attention_layouts, rnn_layouts
-from packedinit.claims import annotations_of
-from packedinit.registry import class_path, lookup
+from packedinit.model.claims import annotations_of
+from packedinit.model.registry import class_path, lookup
 
 E = 4
 QKV = Layout(0, [E, E, E], names=("q", "k", "v"))
@@ -186,7 +186,7 @@ def test_class_path_key_matches_without_the_type_and_follows_the_mro() -> None:
 def test_third_party_is_never_imported_and_builtins_load_lazily() -> None:
     code = (
         "import sys, torch\n"
-        "import packedinit.registry as r\n"
+        "import packedinit.model.registry as r\n"
         "assert not r._builtins_loaded\n"
         "assert r.lookup(torch.nn.LSTM) is not None and r._builtins_loaded\n"
         "assert len(r.registered()) > 8\n"

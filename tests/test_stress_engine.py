@@ -15,8 +15,8 @@ from torch import Tensor
 from torch.nn.init import constant_, normal_, uniform_, xavier_uniform_
 
 from packedinit import chunked, chunked_init
-from packedinit.keys import request_key, value_key
-from packedinit.plan import Request
+from packedinit.engine.keys import request_key, value_key
+from packedinit.engine.plan import Request
 
 
 def _bits(t: Tensor) -> set[bytes]:

@@ -13,7 +13,8 @@ from torch import Tensor, nn
 from torch.nn.init import dirac_, orthogonal_, xavier_uniform_
 
 from packedinit import Layout, PackedInitError, chunked, layouts
-from packedinit.recipes import init_recurrent_, reset_parameters
+from packedinit.recipes.recurrent import init_recurrent_
+from packedinit.recipes.reset import reset_parameters
 
 LSTM_GATES = ("i", "f", "g", "o")
 GRU_GATES = ("r", "z", "n")

@@ -20,7 +20,7 @@ from torch.nn.init import xavier_uniform_
 
 import packedinit
 from packedinit import Layout, PackedInitError, audit, init_model, layouts, reset_parameters
-from packedinit.torch_defaults import TorchDefaultsFix, fix_torch_defaults, torch_defaults_fixed
+from packedinit.recipes.torch_defaults import TorchDefaultsFix, fix_torch_defaults, torch_defaults_fixed
 
 #: torch's own methods, read before any test could replace them.
 TORCH_MHA = nn.MultiheadAttention.__dict__["_reset_parameters"]

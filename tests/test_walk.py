@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.nn.init import dirac_, eye_, orthogonal_, xavier_uniform_
 
 from packedinit import Layout, PackedInitError, annotate, chunked, layouts, register, unregister
-from packedinit.walk import init_model
+from packedinit.model.walk import init_model
 
 E = 4
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from packedinit import Layout, chunked_init
-from packedinit.audit import Reference, audit, audit_tensors
+from packedinit.auditing.measure import Reference, audit, audit_tensors
 
 init = nn.init
 

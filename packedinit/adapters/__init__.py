@@ -1,7 +1,7 @@
 """Built-in adapters (torch.nn, transformers-style fused layers by class path) and user helpers.
 
 Importing this package registers nothing. ``packedinit`` hands :func:`register_builtins` to
-the registry (:func:`packedinit.registry.set_builtin_loader`), which calls it once, on its
+the registry (:func:`packedinit.model.registry.set_builtin_loader`), which calls it once, on its
 first lookup, registration or listing, so ``import packedinit`` stays cheap
 and third-party packages are never imported. A built-in adapter module either defines
 ``ADAPTERS: Mapping[type | str, Adapter]`` (registered here, in order) or registers its
@@ -18,6 +18,8 @@ __all__ = ["BUILTIN_MODULES", "register_builtins"]
 
 #: The built-in adapter modules, in registration order.
 BUILTIN_MODULES = ("packedinit.adapters.torch_nn", "packedinit.adapters.hf")
+#: The built-in adapter modules that must import (torch.nn's); the others may lack an optional dependency.
+REQUIRED_MODULES = frozenset({"packedinit.adapters.torch_nn"})
 
 
 def __getattr__(name: str) -> ModuleType:
@@ -38,10 +40,10 @@ def _import_optional(name: str) -> ModuleType | None:
 
 def register_builtins() -> None:
     """Import every built-in adapter module and register its ``ADAPTERS`` table."""
-    from ..registry import register
+    from packedinit.model.registry import register
 
     for name in BUILTIN_MODULES:
-        module = importlib.import_module(name) if name.endswith(".torch_nn") else _import_optional(name)
+        module = importlib.import_module(name) if name in REQUIRED_MODULES else _import_optional(name)
         table = getattr(module, "ADAPTERS", None) if module is not None else None
         if isinstance(table, Mapping):
             for key, adapter in table.items():

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..errors import PackedInitError
-from ..layout import Layout
+from packedinit.errors import PackedInitError
+from packedinit.layout import Layout
 
 __all__ = ["fused_qkv", "fused_gate_up"]
 

@@ -19,11 +19,11 @@ from collections.abc import Mapping
 
 from torch import Tensor, nn
 
-from ..errors import PackedInitError
-from ..layout import Layout
-from ..registry import register
-from ..wrappers import find
-from .fused import fused_gate_up, fused_qkv
+from packedinit.adapters.fused import fused_gate_up, fused_qkv
+from packedinit.errors import PackedInitError
+from packedinit.layout import Layout
+from packedinit.model.registry import register
+from packedinit.model.wrappers import find
 
 __all__ = ["experts_layouts"]
 

@@ -22,10 +22,10 @@ from typing import TypeVar
 
 from torch import nn
 
-from ..errors import PackedInitError
-from ..layout import Layout
-from ..registry import Adapter
-from ..torch_compat import mha_in_proj_packed, module_dict, param_dict, rnn_weight_names
+from packedinit.errors import PackedInitError
+from packedinit.layout import Layout
+from packedinit.model.registry import Adapter
+from packedinit.torch_compat import mha_in_proj_packed, module_dict, param_dict, rnn_weight_names
 
 __all__ = [
     "ADAPTERS",

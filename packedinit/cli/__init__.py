@@ -1,0 +1,2 @@
+"""The command line (``python -m packedinit``): parse (targets, values, inits) and command (main).
+"""

@@ -1,0 +1,222 @@
+"""Parametrized tensors (``torch.nn.utils.parametrize``): where their values live and how to write them.
+
+``weight_norm``, ``spectral_norm``, ``orthogonal`` and user parametrizations replace a
+module's ``weight`` by a property computed from ``parametrizations.weight.original`` (or
+``original0``, ``original1``, ...). Writing the computed tensor writes nothing that stays, so
+a module's own init (``Conv1d.reset_parameters``, which construction ran *before* the
+parametrization was registered) is run on a plain stand-in of the unparametrised weight,
+and the originals are then written through ``right_inverse``, as torch documents for
+``module.weight = value``; a ``spectral_norm``'s power-iteration vectors are drawn again,
+as its registration drew them. torch's deprecated hook-based ``weight_norm``
+(``weight_g``/``weight_v``) is handled the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from packedinit.errors import PackedInitError
+from packedinit.torch_compat import (
+    WEIGHT_NORM_G,
+    WEIGHT_NORM_V,
+    buffer_dict,
+    forward_pre_hooks,
+    module_dict,
+    param_dict,
+    spectral_norm_vectors,
+    spectral_power_method,
+)
+
+__all__ = [
+    "check_writable",
+    "is_parametrized",
+    "parametrized_original",
+    "run_unparametrized",
+    "unparametrized",
+    "weight_norm_hooks",
+]
+
+
+def is_parametrized(m: nn.Module) -> bool:
+    """Has ``m`` a tensor parametrized with ``torch.nn.utils.parametrize`` or torch's old ``weight_norm`` hook?"""
+    return isinstance(module_dict(m).get("parametrizations"), nn.ModuleDict) or bool(weight_norm_hooks(m))
+
+
+def weight_norm_hooks(m: nn.Module) -> list[Any]:
+    """The deprecated ``torch.nn.utils.weight_norm`` hooks on ``m`` (each holds ``name`` and ``dim``)."""
+    return [h for h in forward_pre_hooks(m).values() if type(h).__name__ == "WeightNorm" and hasattr(h, "name")]
+
+
+def _originals(plist: Any) -> list[Tensor]:
+    if getattr(plist, "is_tensor", False):
+        return [plist.original]
+    out: list[Tensor] = []
+    while f"original{len(out)}" in param_dict(plist) or f"original{len(out)}" in buffer_dict(plist):
+        out.append(getattr(plist, f"original{len(out)}"))
+    return out
+
+
+def parametrized_original(owner: nn.Module, name: str, fqn: str, sizes: object = None) -> Tensor | None:
+    """The original that holds ``owner.<name>`` per element, for a claim on a parametrized ``name``; else None.
+
+    A parametrization that keeps the shape (``orthogonal``, ``spectral_norm``, a user one
+    without ``right_inverse``) has one original of the same shape: it is the packed tensor.
+    ``weight_norm`` keeps it in ``original1`` (the direction ``v``; ``original0`` is the norm).
+
+    Raises:
+        PackedInitError: ``name`` is parametrized and no original has its shape.
+    """
+    holder = module_dict(owner).get("parametrizations")
+    if not isinstance(holder, nn.ModuleDict) or name not in holder:
+        return None
+    with torch.no_grad():
+        shape = tuple(getattr(owner, name).shape)
+    plist: Any = holder[name]
+    same = [t for t in _originals(plist) if tuple(t.shape) == shape]
+    if len(same) != 1:
+        raise PackedInitError(
+            f"parameter {fqn!r} of shape {shape} is packed and parametrized "
+            f"({', '.join(type(p).__name__ for p in plist)}), and {len(same)} of its originals have that "
+            f"shape, so packedinit cannot tell which one holds the blocks; annotate the original "
+            f"(packedinit.annotate(module.parametrizations.{name}, original0=Layout(...)))."
+        )
+    return same[0]
+
+
+def _write_through(plist: Any, value: Tensor) -> None:
+    """``module.<name> = value`` as torch does it (``right_inverse`` last to first), but copying into the originals.
+
+    Copying keeps the original Parameter objects and their storage (optimizers, FSDP keep
+    their references); torch's own path swaps the storage.
+    """
+    out: Any = value
+    for p in reversed(list(plist)):
+        inverse = getattr(p, "right_inverse", None)
+        if callable(inverse):
+            out = inverse(out)
+    originals = _originals(plist)
+    values = [out] if getattr(plist, "is_tensor", False) else list(out)
+    for original, v in zip(originals, values, strict=True):
+        original.copy_(v)
+    for p in plist:
+        vectors = spectral_norm_vectors(p)  # None for a vector weight (no u, v) and other parametrizations
+        if vectors is not None:
+            _redraw_spectral(p, vectors, originals[0])
+    plist()  # registration evaluates the parametrization once (a spectral_norm in training mode iterates)
+
+
+def _redraw_spectral(p: Any, vectors: tuple[Tensor, Tensor], weight: Tensor) -> None:
+    """The power-iteration vectors ``u``, ``v`` as spectral_norm's ``__init__`` draws them (same calls, same order)."""
+    pu, pv = vectors
+    u = torch.empty_like(pu).normal_(0, 1)
+    v = torch.empty_like(pv).normal_(0, 1)
+    pu.copy_(nn.functional.normalize(u, dim=0, eps=p.eps))
+    pv.copy_(nn.functional.normalize(v, dim=0, eps=p.eps))
+    spectral_power_method(p, weight, 15)
+
+
+def _plain_kind(m: nn.Module, plist: nn.Module, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype of ``m.<name>``, found by evaluating the parametrization on meta copies.
+
+    The real originals may hold garbage (after ``to_empty``), which some parametrizations
+    reject; meta copies cost nothing, and a spectral norm's iteration writes nothing real.
+    """
+    swapped: list[tuple[dict[str, Any], str, Tensor]] = []
+    for sub in plist.modules():
+        stores: tuple[dict[str, Any], ...] = (param_dict(sub), buffer_dict(sub))
+        for store in stores:
+            for n, t in list(store.items()):
+                if t is not None and not t.is_meta:
+                    meta = torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+                    is_param = isinstance(t, nn.Parameter)
+                    store[n] = nn.Parameter(meta, requires_grad=t.requires_grad) if is_param else meta
+                    swapped.append((store, n, t))
+    try:
+        value = getattr(m, name)
+        return tuple(value.shape), value.dtype
+    finally:
+        for store, n, t in swapped:
+            store[n] = t
+
+
+@contextlib.contextmanager
+def unparametrized(m: nn.Module) -> Iterator[None]:
+    """Within the block ``m`` is as before its parametrizations, each parametrized tensor a plain Parameter.
+
+    On a clean exit what was written to the plain tensors goes to the originals (through
+    ``right_inverse``; for the old ``weight_norm`` hook, ``g = ||v||`` and ``v``), so code that
+    initialises ``m.weight`` initialises what the parametrization reads. On an error the
+    originals are untouched. Modules without parametrizations are left as they are.
+    """
+    holder = module_dict(m).get("parametrizations")
+    hooks = weight_norm_hooks(m)
+    if not isinstance(holder, nn.ModuleDict) and not hooks:
+        yield
+        return
+    cls = m.__class__
+    plain: dict[str, Tensor] = {}
+    with torch.no_grad():
+        if isinstance(holder, nn.ModuleDict):
+            for name in holder:
+                shape, dtype = _plain_kind(m, holder[name], name)
+                originals = _originals(holder[name])
+                device, grad = originals[0].device, any(o.requires_grad for o in originals)
+                plain[name] = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=grad)
+        for h in hooks:
+            v = getattr(m, h.name + WEIGHT_NORM_V)
+            plain[h.name] = nn.Parameter(torch.empty_like(v), requires_grad=v.requires_grad)
+    computed = {h.name: m.__dict__.pop(h.name, None) for h in hooks}
+    if isinstance(holder, nn.ModuleDict):
+        m.__class__ = torch.nn.utils.parametrize.type_before_parametrizations(m)
+        del module_dict(m)["parametrizations"]
+    params: dict[str, Any] = param_dict(m)
+    params.update(plain)
+    try:
+        yield
+    finally:
+        for name in plain:
+            del param_dict(m)[name]
+        if isinstance(holder, nn.ModuleDict):
+            module_dict(m)["parametrizations"] = holder
+            m.__class__ = cls
+        for name, t in computed.items():
+            if t is not None:
+                m.__dict__[name] = t
+    with torch.no_grad():
+        if isinstance(holder, nn.ModuleDict):
+            for name in holder:
+                _write_through(holder[name], plain[name])
+        for h in hooks:
+            getattr(m, h.name + WEIGHT_NORM_G).copy_(torch.norm_except_dim(plain[h.name], 2, h.dim))
+            getattr(m, h.name + WEIGHT_NORM_V).copy_(plain[h.name])
+            if computed.get(h.name) is not None:
+                m.__dict__[h.name] = h.compute_weight(m)
+
+
+def check_writable(m: nn.Module) -> None:
+    """Raise before any write when ``m``'s originals cannot be written through (sharded DTensors).
+
+    Raises:
+        PackedInitError: an original of a parametrized tensor of ``m`` is a DTensor.
+    """
+    holder = module_dict(m).get("parametrizations")
+    if not isinstance(holder, nn.ModuleDict):
+        return
+    for name in holder:
+        if any(type(t).__name__ == "DTensor" for t in _originals(holder[name])):
+            raise PackedInitError(
+                f"reset_parameters: {name!r} of {type(m).__name__} is parametrized and sharded (DTensor "
+                f"originals); writing it through right_inverse per shard is not supported. Fix: materialise and "
+                f"initialise before fully_shard, or register the parametrization after initialising."
+            )
+
+
+def run_unparametrized(m: nn.Module, step: Callable[[], object]) -> None:
+    """``step()`` inside :func:`unparametrized` ``(m)``: an init written against the plain module, written through."""
+    with unparametrized(m):
+        step()

@@ -1,0 +1,176 @@
+"""Construction-time init outside init methods, recorded on meta and replayed after ``to_empty``.
+
+x-transformers' token embedding runs ``nn.init.kaiming_normal_(self.emb.weight)`` in its
+``__init__``: on the meta device that call does nothing, and ``reset_parameters`` can only
+run ``nn.Embedding``'s default (``normal_(0, 1)``, not std 0.18). :func:`deferred` builds
+on the meta device and records every ``torch.nn.init`` call that construction makes outside
+an init method; :meth:`Deferred.replay` runs them again, in order, on the materialised
+tensors, packed parameters per block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from packedinit.engine.plan import Request
+from packedinit.engine.run import run
+from packedinit.engine.traits import TORCH_INIT  # torch's own functions, also while fix_torch_defaults() replaces them
+from packedinit.errors import PackedInitError
+from packedinit.model.claims import layouts
+from packedinit.model.ties import to_empty
+from packedinit.recipes.coverage import storage_key
+from packedinit.recipes.reset import reset_parameters
+from packedinit.torch_compat import RESET_METHOD, TorchDispatchMode, caller_frame, written_args
+
+__all__ = ["Deferred", "deferred"]
+
+#: Frames whose init calls ``reset_parameters`` already replays: torch's init methods and transformers'
+#: ``post_init`` chain (a plain model's own ``self.apply(self._init_weights)`` in ``__init__`` is recorded).
+_INIT_METHODS = frozenset(
+    {"reset_parameters", RESET_METHOD, "_initialize_weights", "initialize_weights", "post_init"}
+)
+
+
+@dataclass
+class Deferred:
+    """The init calls a construction on meta made outside init methods: ``(storage key, function, kwargs)``."""
+
+    calls: list[tuple[int, Any, dict[str, Any]]] = field(default_factory=list)
+    names: dict[int, str] = field(default_factory=dict)
+    #: storage key -> the ops that wrote it in place outside torch.nn.init and init methods (cannot be replayed)
+    other_writes: dict[int, set[str]] = field(default_factory=dict)
+
+    def bind(self, model: nn.Module) -> None:
+        """Name the recorded tensors by the model's parameter and buffer names (while it is still on meta:
+        :meth:`materialize` does it before ``to_empty``)."""
+        for n, t in (*model.named_parameters(), *model.named_buffers()):
+            self.names.setdefault(storage_key(t), n)
+
+    def materialize(self, model: nn.Module, *, device: torch.device | str | int | None) -> list[str]:
+        """``to_empty`` (ties kept), ``reset_parameters``, then :meth:`replay`; the names the replay wrote."""
+        self.bind(model)
+        to_empty(model, device=device)
+        reset_parameters(model)
+        return self.replay(model)
+
+    def replay(self, model: nn.Module) -> list[str]:
+        """Run the recorded calls again on ``model``'s tensors, in order, packed ones per block; the names written.
+
+        Call it after ``to_empty`` and ``reset_parameters`` (which fills everything else).
+
+        Raises:
+            PackedInitError: a recorded call wrote a tensor that is no parameter or buffer
+                of ``model`` (nothing is written then).
+        """
+        by_name = dict((*model.named_parameters(), *model.named_buffers()))
+        unreplayable = {self.names[k]: ops for k, ops in self.other_writes.items() if self.names.get(k) in by_name}
+        if unreplayable:
+            warnings.warn(
+                f"deferred: construction wrote {len(unreplayable)} tensor(s) in place outside torch.nn.init and "
+                f"init methods, which cannot be replayed: "
+                + ", ".join(f"{n!r} ({', '.join(sorted(ops))})" for n, ops in unreplayable.items())
+                + "; they hold what reset_parameters and the recorded init calls give instead. Fix: move those "
+                "writes into the module's reset_parameters() method.",
+                stacklevel=2,
+            )
+        known = layouts(model)
+        lost = [getattr(fn, "__name__", fn) for key, fn, _ in self.calls if self.names.get(key) not in by_name]
+        if lost:
+            raise PackedInitError(
+                f"deferred().replay: {len(lost)} init call(s) made during construction ({', '.join(map(str, lost))}) "
+                f"wrote tensors that are no parameter or buffer of {type(model).__name__}; nothing was written. "
+                f"Fix: give the module that makes them a reset_parameters() method."
+            )
+        done: list[str] = []
+        for key, fn, kwargs in self.calls:
+            name = self.names[key]
+            run(Request(by_name[name], known.get(name), None, fn, (), dict(kwargs), name))
+            done.append(name)
+        return done
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[Deferred]:
+    """Build on the meta device, recording the init calls construction makes outside init methods.
+
+    Examples:
+        >>> class Tok(torch.nn.Module):  # x-transformers style: init in __init__, no reset method
+        ...     def __init__(self) -> None:
+        ...         super().__init__()
+        ...         self.emb = torch.nn.Embedding(1000, 64)
+        ...         torch.nn.init.kaiming_normal_(self.emb.weight)
+        >>> import packedinit
+        >>> with deferred() as construction:
+        ...     tok = Tok()
+        >>> construction.materialize(tok, device="cpu")  # to_empty, reset_parameters, then the recorded calls
+        ['emb.weight']
+        >>> round(float(tok.emb.weight.detach().std()), 2)  # kaiming_normal_: sqrt(2 / 64)
+        0.18
+    """
+    found = Deferred()
+    codes = {
+        f.__code__: f
+        for name, f in vars(TORCH_INIT).items()
+        if isinstance(f, types.FunctionType) and name.endswith("_") and not name.startswith("_")
+    }
+    depth = [0]
+    before = sys.getprofile()
+
+    def hook(frame: types.FrameType, event: Any, arg: object) -> object:
+        if frame.f_code in codes:
+            if event == "call":
+                depth[0] += 1
+                t = frame.f_locals.get("tensor")
+                if depth[0] == 1 and isinstance(t, Tensor) and t.is_meta and not _inside_init_method(frame):
+                    fn = codes[frame.f_code]
+                    kwargs = {k: v for k, v in frame.f_locals.items() if k != "tensor"}
+                    found.calls.append((storage_key(t), fn, kwargs))
+            elif event == "return":
+                depth[0] -= 1
+        if before is not None:
+            before(frame, event, arg)
+        return None
+
+    sys.setprofile(hook)
+    try:
+        with torch.device("meta"), _OtherWrites(found.other_writes, depth):
+            yield found
+    finally:
+        sys.setprofile(before)
+
+
+class _OtherWrites(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves __init_subclass__ untyped
+    """Records in-place writes to meta tensors made outside init functions and init methods."""
+
+    def __init__(self, into: dict[int, set[str]], depth: list[int]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves __init__ untyped
+        self.into = into
+        self.depth = depth
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.depth[0] == 0:
+            for value in written_args(func, args, kwargs):
+                if isinstance(value, Tensor) and value.is_meta and not _inside_init_method(caller_frame()):
+                    self.into.setdefault(storage_key(value), set()).add(str(func.overloadpacket.__name__))
+        return func(*args, **kwargs)
+
+
+def _inside_init_method(frame: types.FrameType) -> bool:
+    f = frame.f_back
+    while f is not None:
+        if f.f_code.co_name in _INIT_METHODS:
+            return True
+        f = f.f_back
+    return False
