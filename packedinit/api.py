@@ -20,11 +20,11 @@ from .chunks import Chunks
 from .errors import PackedInitError
 from .layout import Layout, is_int
 from .lean import PLAIN_TYPES, TORCH, lean_call, route
-from .marks import param_layout
+from .marks import param_claim
 from .plan import InitSpec, Request
 from .run import run
 from .traits import base, hashable_in
-from .walk import apply_ancestors, module_call
+from .walk import apply_ancestors, init_held, module_call
 
 __all__ = ["chunked_init", "chunked", "ChunkedInit"]
 
@@ -125,9 +125,11 @@ def chunked_init(
         packedinit.errors.PackedInitError: tensor of shape (10, 4): dim 0 has length 10, which 3 equal chunks ...
     """
     if chunks is None and dim is None and isinstance(tensor, nn.Parameter):
-        chunks = param_layout(tensor)  # annotated by packedinit.annotate: per block
+        chunks, holder = param_claim(tensor)  # annotated by packedinit.annotate: per block
         if chunks is not None and _stacked_bias_left(tensor, chunks, init_fn):
             return tensor
+        if holder is not None and init_held(holder, tensor, init_fn, args, init_kwargs):  # type: ignore[arg-type]
+            return tensor  # an original of a packed parametrized tensor: written through the parametrization
     plain = chunks is None and dim is None and type(tensor) in PLAIN_TYPES
     if plain and route(tensor, init_fn, args, init_kwargs, first=True) == TORCH:
         lean_call(tensor, init_fn, args, init_kwargs)  # type: ignore[arg-type]  # route: a torch.nn.init function
@@ -215,9 +217,11 @@ def chunked(
     @functools.wraps(init_fn)
     def wrapper(target: Any, /, *args: Any, **kwargs: Any) -> Any:
         if unset and isinstance(target, nn.Parameter):
-            layout = param_layout(target)  # annotated by packedinit.annotate: per block
+            layout, holder = param_claim(target)  # annotated by packedinit.annotate: per block
             if layout is not None and _stacked_bias_left(target, layout, init_fn):
                 return target
+            if holder is not None and init_held(holder, target, init_fn, args, kwargs):
+                return target  # an original of a packed parametrized tensor: written through the parametrization
             if layout is not None:
                 run(Request(target, layout, None, init_fn, args, kwargs))
                 return target

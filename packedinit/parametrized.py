@@ -24,6 +24,10 @@ from .errors import PackedInitError
 
 __all__ = [
     "check_writable",
+    "is_holder",
+    "originals_of",
+    "stand_in",
+    "write_through",
     "is_parametrized",
     "parametrized_original",
     "run_unparametrized",
@@ -109,7 +113,12 @@ def _redraw_spectral(p: Any, weight: Tensor) -> None:
 
 
 def _plain_kind(m: nn.Module, plist: nn.Module, name: str) -> tuple[tuple[int, ...], torch.dtype]:
-    """Shape and dtype of ``m.<name>``, found by evaluating the parametrization on meta copies.
+    """Shape and dtype of ``m.<name>``, found by evaluating the parametrization on meta copies."""
+    return _meta_kind(plist, lambda: getattr(m, name))
+
+
+def _meta_kind(plist: nn.Module, compute: Callable[[], Tensor]) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype of ``compute()`` (the parametrized tensor), evaluated on meta copies of ``plist``'s tensors.
 
     The real originals may hold garbage (after ``to_empty``), which some parametrizations
     reject; meta copies cost nothing, and a spectral norm's iteration writes nothing real.
@@ -125,7 +134,7 @@ def _plain_kind(m: nn.Module, plist: nn.Module, name: str) -> tuple[tuple[int, .
                     store[n] = nn.Parameter(meta, requires_grad=t.requires_grad) if is_param else meta
                     swapped.append((store, n, t))
     try:
-        value = getattr(m, name)
+        value = compute()
         return tuple(value.shape), value.dtype
     finally:
         for store, n, t in swapped:
@@ -208,3 +217,55 @@ def run_unparametrized(m: nn.Module, step: Callable[[], object]) -> None:
     """``step()`` inside :func:`unparametrized` ``(m)``: an init written against the plain module, written through."""
     with unparametrized(m):
         step()
+
+
+# -- packed parametrized tensors: initialised as a plain stand-in, written through right_inverse ------
+def is_holder(m: nn.Module) -> bool:
+    """Is ``m`` the ``ParametrizationList`` that holds a parametrized tensor's originals?"""
+    return isinstance(m, torch.nn.utils.parametrize.ParametrizationList)
+
+
+def originals_of(plist: nn.Module) -> list[Tensor]:
+    """The originals ``plist`` (a ``ParametrizationList``) holds: ``[original]`` or ``[original0, original1, ...]``."""
+    return _originals(plist)
+
+
+def stand_in(plist: nn.Module, fqn: str, *, current: bool) -> Tensor:
+    """A plain tensor of the parametrized tensor's shape and dtype, on the originals' device, to initialise per block.
+
+    ``current``: it holds the parametrized tensor's present value (for an init that leaves some
+    blocks as they are), evaluated with every module of ``plist`` in eval mode, so that a
+    ``spectral_norm`` iterates nothing (nothing is written before every check has passed).
+
+    Raises:
+        PackedInitError: an original is a DTensor (writing through ``right_inverse`` per shard is not supported).
+    """
+    found = _originals(plist)
+    if any(type(t).__name__ == "DTensor" for t in found):
+        raise PackedInitError(
+            f"parameter {fqn!r} is packed, parametrized and sharded (DTensor originals); writing it through "
+            f"right_inverse per shard is not supported. Fix: initialise before fully_shard, or register the "
+            f"parametrization after initialising."
+        )
+    shape, dtype = _meta_kind(plist, plist)
+    device = found[0].device
+    if not current or device.type == "meta":
+        return torch.empty(shape, dtype=dtype, device=device)
+    modes = [(sub, sub.training) for sub in plist.modules()]
+    try:
+        for sub, _ in modes:
+            sub.training = False
+        with torch.no_grad():
+            value: Tensor = plist().detach().clone()
+            return value
+    finally:
+        for sub, mode in modes:
+            sub.training = mode
+
+
+def write_through(plist: nn.Module, value: Tensor) -> None:
+    """``module.<name> = value`` into ``plist``'s originals (kept as objects), as :func:`unparametrized` writes them."""
+    if value.is_meta or any(t.is_meta for t in _originals(plist)):
+        return
+    with torch.no_grad():
+        _write_through(plist, value)
