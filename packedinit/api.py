@@ -60,6 +60,27 @@ def _stacked_bias_left(target: Tensor, layout: Layout, init_fn: object) -> bool:
     )
 
 
+def _refuse_held(tensor: Tensor, init_fn: object) -> None:
+    """Raise when ``tensor`` (given explicit chunks) is an original of an annotated packed parametrized tensor.
+
+    Its blocks are meant for the tensor the module computes (``g * v / ||v||`` for
+    ``weight_norm``): writing the original per block would leave the others (``g``) stale.
+    """
+    if not isinstance(tensor, nn.Parameter):
+        return
+    holder = param_claim(tensor)[1]
+    if holder is None:
+        return
+    kinds = ", ".join(type(p).__name__ for p in holder.children())
+    name = getattr(init_fn, "__name__", "f")
+    raise PackedInitError(
+        f"the tensor of shape {tuple(tensor.shape)} is an original of a packed parametrized tensor ({kinds}); "
+        f"initialising it per block with explicit chunks would leave the parametrized weight (and its other "
+        f"originals) wrong. Nothing was written. Fix: init the module instead: packedinit.chunked({name})(module), "
+        f"or call packedinit.chunked({name})(original) without chunks (its annotation gives the layout)."
+    )
+
+
 def chunked_init(
     tensor: Tensor,
     chunks: Chunks | None = None,
@@ -130,6 +151,8 @@ def chunked_init(
             return tensor
         if holder is not None and init_held(holder, tensor, init_fn, args, init_kwargs):  # type: ignore[arg-type]
             return tensor  # an original of a packed parametrized tensor: written through the parametrization
+    elif chunks is not None or dim is not None:
+        _refuse_held(tensor, init_fn)
     plain = chunks is None and dim is None and type(tensor) in PLAIN_TYPES
     if plain and route(tensor, init_fn, args, init_kwargs, first=True) == TORCH:
         lean_call(tensor, init_fn, args, init_kwargs)  # type: ignore[arg-type]  # route: a torch.nn.init function
@@ -234,6 +257,8 @@ def chunked(
             # the module's own parameters (see walk.apply_ancestors); a direct call owns the whole tree.
             module_call(target, init_fn, chunks, dim, args, kwargs, ancestors=apply_ancestors(target))
             return None
+        if not unset:
+            _refuse_held(target, init_fn)
         run(Request(target, chunks, dim, init_fn, args, kwargs))
         return target
 

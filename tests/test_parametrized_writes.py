@@ -150,3 +150,15 @@ def test_orthogonal_is_written_as_module_weight_assignment() -> None:
     with torch.no_grad():
         ref.weight = plain.weight.detach().clone()
     assert torch.allclose(lin.weight, ref.weight, atol=1e-5)
+
+
+def test_explicit_chunks_on_an_annotated_original_are_refused_naming_the_fix() -> None:
+    """chunks given by hand on v would write v per block and leave g stale: loud, nothing written."""
+    _, normed = _linears(0)
+    held = normed.parametrizations.weight
+    before = [t.detach().clone() for t in (held.original0, held.original1)]
+    with pytest.raises(PackedInitError, match=r"init the module instead: packedinit.chunked\(xavier_uniform_\)"):
+        packedinit.chunked(xavier_uniform_, 3)(held.original1)
+    with pytest.raises(PackedInitError, match="original of a packed parametrized tensor"):
+        packedinit.chunked_init(held.original1, Layout(0, [8, 8, 8]), None, xavier_uniform_)
+    assert all(torch.equal(a, b) for a, b in zip(before, (held.original0, held.original1), strict=True))
