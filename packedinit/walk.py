@@ -292,17 +292,21 @@ def init_held(
     init_fn: Callable[..., Tensor],
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
+    lays: Mapping[int, Layout | None] | None = None,
 ) -> bool:
-    """``chunked(f)(p)`` on an original of an annotated ``ParametrizationList``: through the parametrization.
+    """``f(p)`` on an original of a packed ``ParametrizationList``: through the parametrization.
 
     The packed original: a stand-in of the parametrized tensor is initialised per block and
     written through ``right_inverse`` (see :func:`through_parametrizations`); a sibling of it
     (``weight_norm``'s ``g``) is left as it is (that write sets it). False: neither (``p`` is
-    then initialised as it is).
+    then initialised as it is). ``lays``: the originals' layouts by ``id``; default, the
+    annotations on ``holder``.
     """
     anns = annotations_of(holder)
     prefix = type(holder).__name__
-    entries = [(f"{prefix}.{n}", t, anns.get(n)) for n, t in _leaves(holder)]
+    entries = [
+        (f"{prefix}.{n}", t, anns.get(n) if lays is None else lays.get(id(t))) for n, t in _leaves(holder)
+    ]
     out, swaps = through_parametrizations((holder,), entries, init_fn)
     if not swaps or any(t is p for _, t, _ in out):
         return False  # p is initialised as it is

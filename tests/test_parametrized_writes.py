@@ -162,3 +162,22 @@ def test_explicit_chunks_on_an_annotated_original_are_refused_naming_the_fix() -
     with pytest.raises(PackedInitError, match="original of a packed parametrized tensor"):
         packedinit.chunked_init(held.original1, Layout(0, [8, 8, 8]), None, xavier_uniform_)
     assert all(torch.equal(a, b) for a, b in zip(before, (held.original0, held.original1), strict=True))
+
+
+def test_torch_init_calls_under_fix_torch_defaults_go_through_the_parametrization() -> None:
+    """``torch.nn.init.xavier_uniform_(p)`` in a loop while the fix is on: per block in the weight, both ways."""
+    plain, normed = _linears(0)
+    for model in (plain, normed):
+        torch.manual_seed(4)
+        with packedinit.fix_torch_defaults():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    torch.nn.init.xavier_uniform_(p)
+    assert torch.allclose(normed.weight, plain.weight, atol=1e-6)
+    torch.manual_seed(0)
+    mha = _mha()  # known through its adapter: the model handed to the fix
+    with packedinit.fix_torch_defaults(mha):
+        for p in mha.parameters():
+            if p.dim() > 1:
+                torch.nn.init.xavier_uniform_(p)
+    _per_block(mha)
