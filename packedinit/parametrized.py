@@ -9,6 +9,11 @@ and the originals are then written through ``right_inverse``, as torch documents
 ``module.weight = value``; a ``spectral_norm``'s power-iteration vectors are drawn again,
 as its registration drew them. torch's deprecated hook-based ``weight_norm``
 (``weight_g``/``weight_v``) is handled the same way.
+
+The other idioms on a *packed* parametrized tensor (see ``packedinit.walk.through_parametrizations``)
+do the same with :func:`stand_in` and :func:`write_through`: the per-block init is meant for the
+tensor the module computes (``g * v / ||v||``), so a plain stand-in of it is initialised per
+block and written through ``right_inverse``; writing ``v`` per block would leave ``g`` stale.
 """
 
 from __future__ import annotations
