@@ -19,6 +19,7 @@ block and written through ``right_inverse``; writing ``v`` per block would leave
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -239,7 +240,7 @@ def stand_in(plist: nn.Module, fqn: str, *, current: bool) -> Tensor:
     """A plain tensor of the parametrized tensor's shape and dtype, on the originals' device, to initialise per block.
 
     ``current``: it holds the parametrized tensor's present value (for an init that leaves some
-    blocks as they are), evaluated with every module of ``plist`` in eval mode, so that a
+    blocks as they are), evaluated on an eval-mode copy of ``plist``, so that a
     ``spectral_norm`` iterates nothing (nothing is written before every check has passed).
 
     Raises:
@@ -256,16 +257,10 @@ def stand_in(plist: nn.Module, fqn: str, *, current: bool) -> Tensor:
     device = found[0].device
     if not current or device.type == "meta":
         return torch.empty(shape, dtype=dtype, device=device)
-    modes = [(sub, sub.training) for sub in plist.modules()]
-    try:
-        for sub, _ in modes:
-            sub.training = False
-        with torch.no_grad():
-            value: Tensor = plist().detach().clone()
-            return value
-    finally:
-        for sub, mode in modes:
-            sub.training = mode
+    with torch.no_grad():
+        copied = copy.deepcopy(plist).eval()  # a copy: no other thread sees a mode change, nothing is written
+        value: Tensor = copied().detach()
+    return value
 
 
 def write_through(plist: nn.Module, value: Tensor) -> None:

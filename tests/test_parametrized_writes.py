@@ -181,3 +181,24 @@ def test_torch_init_calls_under_fix_torch_defaults_go_through_the_parametrizatio
             if p.dim() > 1:
                 torch.nn.init.xavier_uniform_(p)
     _per_block(mha)
+
+
+class Doubled(nn.Module):
+    """A user parametrization keeping the shape: ``weight = 2 * original``, with its right inverse."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+    def right_inverse(self, w: torch.Tensor) -> torch.Tensor:
+        return w / 2
+
+
+def test_a_user_parametrization_with_a_right_inverse_gets_the_blocks_in_its_weight() -> None:
+    torch.manual_seed(0)
+    plain = packedinit.annotate(nn.Linear(8, 24), weight=Layout(0, [8, 8, 8]))
+    lin = nn.Linear(8, 24)
+    torch.nn.utils.parametrize.register_parametrization(lin, "weight", Doubled())
+    packedinit.annotate(lin, weight=Layout(0, [8, 8, 8]))
+    packedinit.init_model(plain, xavier_uniform_, generator=torch.Generator().manual_seed(5))
+    packedinit.init_model(lin, xavier_uniform_, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(lin.weight, plain.weight)
