@@ -23,8 +23,8 @@ from packedinit.engine.run import run
 from packedinit.engine.traits import base, hashable_in
 from packedinit.errors import PackedInitError
 from packedinit.layout import Layout, is_int
-from packedinit.model.marks import param_layout
-from packedinit.model.walk import apply_ancestors, module_call
+from packedinit.model.marks import param_claim
+from packedinit.model.walk import apply_ancestors, init_held, module_call
 
 __all__ = ["chunked_init", "chunked", "ChunkedInit"]
 
@@ -57,6 +57,27 @@ def _stacked_bias_left(target: Tensor, layout: Layout, init_fn: object) -> bool:
         and target.dim() - layout.batch_dims < 2
         and callable(init_fn)
         and hashable_in(base(init_fn), _MATRIX_FNS)
+    )
+
+
+def _refuse_held(tensor: Tensor, init_fn: object) -> None:
+    """Raise when ``tensor`` (given explicit chunks) is an original of an annotated packed parametrized tensor.
+
+    Its blocks are meant for the tensor the module computes (``g * v / ||v||`` for
+    ``weight_norm``): writing the original per block would leave the others (``g``) stale.
+    """
+    if not isinstance(tensor, nn.Parameter):
+        return
+    holder = param_claim(tensor)[1]
+    if holder is None:
+        return
+    kinds = ", ".join(type(p).__name__ for p in holder.children())
+    name = getattr(init_fn, "__name__", "f")
+    raise PackedInitError(
+        f"the tensor of shape {tuple(tensor.shape)} is an original of a packed parametrized tensor ({kinds}); "
+        f"initialising it per block with explicit chunks would leave the parametrized weight (and its other "
+        f"originals) wrong. Nothing was written. Fix: init the module instead: packedinit.chunked({name})(module), "
+        f"or call packedinit.chunked({name})(original) without chunks (its annotation gives the layout)."
     )
 
 
@@ -125,9 +146,13 @@ def chunked_init(
         packedinit.errors.PackedInitError: tensor of shape (10, 4): dim 0 has length 10, which 3 equal chunks ...
     """
     if chunks is None and dim is None and isinstance(tensor, nn.Parameter):
-        chunks = param_layout(tensor)  # annotated by packedinit.annotate: per block
+        chunks, holder = param_claim(tensor)  # annotated by packedinit.annotate: per block
         if chunks is not None and _stacked_bias_left(tensor, chunks, init_fn):
             return tensor
+        if holder is not None and init_held(holder, tensor, init_fn, args, init_kwargs):  # type: ignore[arg-type]
+            return tensor  # an original of a packed parametrized tensor: written through the parametrization
+    elif chunks is not None or dim is not None:
+        _refuse_held(tensor, init_fn)
     plain = chunks is None and dim is None and type(tensor) in PLAIN_TYPES
     if plain and route(tensor, init_fn, args, init_kwargs, first=True) == TORCH:
         lean_call(tensor, init_fn, args, init_kwargs)  # type: ignore[arg-type]  # route: a torch.nn.init function
@@ -215,9 +240,11 @@ def chunked(
     @functools.wraps(init_fn)
     def wrapper(target: Any, /, *args: Any, **kwargs: Any) -> Any:
         if unset and isinstance(target, nn.Parameter):
-            layout = param_layout(target)  # annotated by packedinit.annotate: per block
+            layout, holder = param_claim(target)  # annotated by packedinit.annotate: per block
             if layout is not None and _stacked_bias_left(target, layout, init_fn):
                 return target
+            if holder is not None and init_held(holder, target, init_fn, args, kwargs):
+                return target  # an original of a packed parametrized tensor: written through the parametrization
             if layout is not None:
                 run(Request(target, layout, None, init_fn, args, kwargs))
                 return target
@@ -230,6 +257,8 @@ def chunked(
             # the module's own parameters (see walk.apply_ancestors); a direct call owns the whole tree.
             module_call(target, init_fn, chunks, dim, args, kwargs, ancestors=apply_ancestors(target))
             return None
+        if not unset:
+            _refuse_held(target, init_fn)
         run(Request(target, chunks, dim, init_fn, args, kwargs))
         return target
 

@@ -20,12 +20,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor, nn
+from torch.nn.utils.parametrize import ParametrizationList
 
 from packedinit.errors import PackedInitError
 from packedinit.layout import Layout, fmt_shape
 from packedinit.torch_compat import param_dict
 
-__all__ = ["ANNOTATIONS", "MARK", "stamp", "annotations_of", "param_layout", "has_annotations"]
+__all__ = ["ANNOTATIONS", "MARK", "stamp", "annotations_of", "param_layout", "param_claim", "has_annotations"]
 
 #: Where an instance's annotations live in ``module.__dict__``: ``{leaf param name: Layout | None}``.
 ANNOTATIONS = "_packedinit_layouts"
@@ -111,11 +112,22 @@ def param_layout(p: Tensor) -> Layout | None:
     all before the first :func:`packedinit.annotate`). Raises :class:`PackedInitError` when
     two annotated modules hold ``p`` (a tied weight) under different layouts.
     """
+    return param_claim(p)[0]
+
+
+def param_claim(p: Tensor) -> tuple[Layout | None, nn.Module | None]:
+    """:func:`param_layout` of ``p``, and the annotated ``ParametrizationList`` holding ``p`` (None if none).
+
+    A ``ParametrizationList`` is returned when it holds ``p`` among its originals and an annotation
+    on it gives one of them a Layout: ``p`` is then the packed original, or a sibling of it (the
+    norm ``g`` of a ``weight_norm``), and the blocks are initialised through the parametrization.
+    """
     if not _owners:
-        return None
+        return None, None
     with _lock:
         refs = list(_owners.values())
     found: list[tuple[nn.Module, str, Layout | None]] = []
+    holder: nn.Module | None = None
     for ref in refs:
         m = ref()
         anns = m.__dict__.get(ANNOTATIONS) if m is not None else None
@@ -125,8 +137,11 @@ def param_layout(p: Tensor) -> Layout | None:
         for leaf in tuple(anns):
             if params.get(leaf) is p:
                 found.append((m, leaf, anns.get(leaf)))  # type: ignore[arg-type]  # as above
+        packed = holder is None and isinstance(m, ParametrizationList) and any(v is not None for v in anns.values())
+        if packed and any(t is p for t in params.values()):
+            holder = m
     if not found:
-        return None
+        return None, holder
     first = found[0]
     for other in found[1:]:
         if other[2] != first[2]:
@@ -136,4 +151,4 @@ def param_layout(p: Tensor) -> Layout | None:
                 f"{type(other[0]).__name__}.{other[1]}; annotate both holders alike "
                 f"(packedinit.annotate(module, name=Layout(...)))."
             )
-    return first[2]
+    return first[2], holder

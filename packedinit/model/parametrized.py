@@ -9,11 +9,17 @@ and the originals are then written through ``right_inverse``, as torch documents
 ``module.weight = value``; a ``spectral_norm``'s power-iteration vectors are drawn again,
 as its registration drew them. torch's deprecated hook-based ``weight_norm``
 (``weight_g``/``weight_v``) is handled the same way.
+
+The other idioms on a *packed* parametrized tensor (see ``packedinit.walk.through_parametrizations``)
+do the same with :func:`stand_in` and :func:`write_through`: the per-block init is meant for the
+tensor the module computes (``g * v / ||v||``), so a plain stand-in of it is initialised per
+block and written through ``right_inverse``; writing ``v`` per block would leave ``g`` stale.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,6 +40,10 @@ from packedinit.torch_compat import (
 
 __all__ = [
     "check_writable",
+    "is_holder",
+    "originals_of",
+    "stand_in",
+    "write_through",
     "is_parametrized",
     "parametrized_original",
     "run_unparametrized",
@@ -121,7 +131,12 @@ def _redraw_spectral(p: Any, vectors: tuple[Tensor, Tensor], weight: Tensor) -> 
 
 
 def _plain_kind(m: nn.Module, plist: nn.Module, name: str) -> tuple[tuple[int, ...], torch.dtype]:
-    """Shape and dtype of ``m.<name>``, found by evaluating the parametrization on meta copies.
+    """Shape and dtype of ``m.<name>``, found by evaluating the parametrization on meta copies."""
+    return _meta_kind(plist, lambda: getattr(m, name))
+
+
+def _meta_kind(plist: nn.Module, compute: Callable[[], Tensor]) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype of ``compute()`` (the parametrized tensor), evaluated on meta copies of ``plist``'s tensors.
 
     The real originals may hold garbage (after ``to_empty``), which some parametrizations
     reject; meta copies cost nothing, and a spectral norm's iteration writes nothing real.
@@ -137,7 +152,7 @@ def _plain_kind(m: nn.Module, plist: nn.Module, name: str) -> tuple[tuple[int, .
                     store[n] = nn.Parameter(meta, requires_grad=t.requires_grad) if is_param else meta
                     swapped.append((store, n, t))
     try:
-        value = getattr(m, name)
+        value = compute()
         return tuple(value.shape), value.dtype
     finally:
         for store, n, t in swapped:
@@ -220,3 +235,49 @@ def run_unparametrized(m: nn.Module, step: Callable[[], object]) -> None:
     """``step()`` inside :func:`unparametrized` ``(m)``: an init written against the plain module, written through."""
     with unparametrized(m):
         step()
+
+
+# -- packed parametrized tensors: initialised as a plain stand-in, written through right_inverse ------
+def is_holder(m: nn.Module) -> bool:
+    """Is ``m`` the ``ParametrizationList`` that holds a parametrized tensor's originals?"""
+    return isinstance(m, torch.nn.utils.parametrize.ParametrizationList)
+
+
+def originals_of(plist: nn.Module) -> list[Tensor]:
+    """The originals ``plist`` (a ``ParametrizationList``) holds: ``[original]`` or ``[original0, original1, ...]``."""
+    return _originals(plist)
+
+
+def stand_in(plist: nn.Module, fqn: str, *, current: bool) -> Tensor:
+    """A plain tensor of the parametrized tensor's shape and dtype, on the originals' device, to initialise per block.
+
+    ``current``: it holds the parametrized tensor's present value (for an init that leaves some
+    blocks as they are), evaluated on an eval-mode copy of ``plist``, so that a
+    ``spectral_norm`` iterates nothing (nothing is written before every check has passed).
+
+    Raises:
+        PackedInitError: an original is a DTensor (writing through ``right_inverse`` per shard is not supported).
+    """
+    found = _originals(plist)
+    if any(type(t).__name__ == "DTensor" for t in found):
+        raise PackedInitError(
+            f"parameter {fqn!r} is packed, parametrized and sharded (DTensor originals); writing it through "
+            f"right_inverse per shard is not supported. Fix: initialise before fully_shard, or register the "
+            f"parametrization after initialising."
+        )
+    shape, dtype = _meta_kind(plist, plist)
+    device = found[0].device
+    if not current or device.type == "meta":
+        return torch.empty(shape, dtype=dtype, device=device)
+    with torch.no_grad():
+        copied = copy.deepcopy(plist).eval()  # a copy: no other thread sees a mode change, nothing is written
+        value: Tensor = copied().detach()
+    return value
+
+
+def write_through(plist: nn.Module, value: Tensor) -> None:
+    """``module.<name> = value`` into ``plist``'s originals (kept as objects), as :func:`unparametrized` writes them."""
+    if value.is_meta or any(t.is_meta for t in _originals(plist)):
+        return
+    with torch.no_grad():
+        _write_through(plist, value)

@@ -56,8 +56,10 @@ from packedinit.engine.plan import Request
 from packedinit.engine.run import run
 from packedinit.layout import Layout
 from packedinit.model.claims import resolve
-from packedinit.model.marks import param_layout
+from packedinit.model.marks import param_claim, param_layout
+from packedinit.model.parametrized import is_holder, originals_of
 from packedinit.model.registry import lookup
+from packedinit.model.walk import init_held
 
 __all__ = ["FAN_FNS", "Interception", "acquire", "intercepting", "packed_layout", "original"]
 
@@ -96,6 +98,9 @@ _hooks: list[Any] = []
 _built: WeakIdKeyDictionary = WeakIdKeyDictionary()
 #: Models handed to acquire(): one {Parameter: (name, Layout)} per live handle.
 _scopes: list[WeakIdKeyDictionary] = []
+#: The same models' originals of packed parametrized tensors: {original: (ref to its
+#: ParametrizationList, {id(original): Layout | None})} per live handle.
+_held_scopes: list[WeakIdKeyDictionary] = []
 
 
 def original(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -128,8 +133,26 @@ def packed_layout(t: object) -> tuple[str, Layout] | None:
     return None
 
 
+def _held(t: object) -> tuple[nn.Module, dict[int, Layout | None] | None] | None:
+    """The packed ``ParametrizationList`` holding Parameter ``t`` among its originals, with their layouts."""
+    if not isinstance(t, nn.Parameter):
+        return None
+    with _lock:
+        scopes = list(_held_scopes)
+    for scope in reversed(scopes):
+        hit = scope.get(t)  # type: ignore[no-untyped-call]  # torch leaves WeakIdKeyDictionary untyped
+        holder = hit[0]() if hit is not None else None
+        if holder is not None:
+            return holder, hit[1]
+    annotated = param_claim(t)[1]
+    return (annotated, None) if annotated is not None else None
+
+
 def _wrapper(name: str, torch_fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
     def per_block_if_packed(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        held = _held(tensor) if _active > 0 else None
+        if held is not None and init_held(held[0], tensor, torch_fn, args, kwargs, held[1]):
+            return tensor  # an original of a packed parametrized tensor: written through the parametrization
         found = packed_layout(tensor) if _active > 0 else None
         if found is None:
             return torch_fn(tensor, *args, **kwargs)
@@ -193,24 +216,34 @@ def _restore() -> None:
 class Interception:
     """One reference to the interception (see the module docstring); ``release()`` gives it back."""
 
-    __slots__ = ("_on", "_scope")
+    __slots__ = ("_held", "_on", "_scope")
 
     def __init__(self, *models: nn.Module) -> None:
         global _active
         scope: WeakIdKeyDictionary | None = None
+        held: WeakIdKeyDictionary | None = None
         if models:
-            scope = WeakIdKeyDictionary()
+            scope, held = WeakIdKeyDictionary(), WeakIdKeyDictionary()
             for model in models:
+                lays: dict[int, Layout | None] = {}
                 for n, p, layout in resolve(model):
+                    lays[id(p)] = layout
                     if layout is not None and layout.num_parts > 1:
                         scope[p] = (n, layout)
+                for m in model.modules():
+                    originals = originals_of(m) if is_holder(m) else []
+                    if any(lays.get(id(o)) is not None for o in originals):
+                        for o in originals:
+                            held[o] = (weakref.ref(m), {id(t): lays.get(id(t)) for t in originals})
         with _lock:
             if _active == 0:
                 _install()
             _active += 1
             if scope is not None:
                 _scopes.append(scope)
-        self._on, self._scope = True, scope
+            if held is not None:
+                _held_scopes.append(held)
+        self._on, self._scope, self._held = True, scope, held
 
     def release(self) -> None:
         """Give this reference back; the last one restores torch's functions. Idempotent."""
@@ -221,6 +254,8 @@ class Interception:
             self._on = False
             if self._scope is not None:
                 _scopes[:] = [s for s in _scopes if s is not self._scope]
+            if self._held is not None:
+                _held_scopes[:] = [s for s in _held_scopes if s is not self._held]
             _active -= 1
             if _active == 0:
                 _restore()
