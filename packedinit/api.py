@@ -23,8 +23,9 @@ from packedinit.engine.run import run
 from packedinit.engine.traits import base, hashable_in
 from packedinit.errors import PackedInitError
 from packedinit.layout import Layout, is_int
+from packedinit.model.held import init_held
 from packedinit.model.marks import param_claim
-from packedinit.model.walk import apply_ancestors, init_held, module_call
+from packedinit.model.walk import apply_ancestors, module_call
 
 __all__ = ["chunked_init", "chunked", "ChunkedInit"]
 

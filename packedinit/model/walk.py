@@ -17,26 +17,20 @@ the init function against every distinct block shape (a dry run on meta tensors)
 from __future__ import annotations
 
 import fnmatch
-import re
-import types
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor, nn
 
 from packedinit.engine.chunks import Chunks
-from packedinit.engine.distributed import DTensorPlan, plan_dtensor, write_planned
-from packedinit.engine.execute import LocalSink, RngState, Scratch, execute
-from packedinit.engine.lean import GENERAL, PLAIN_TYPES, call, route
-from packedinit.engine.plan import Plan, Request, make_plan
-from packedinit.engine.traits import TORCH_FNS, fn_name, is_dtensor
-from packedinit.errors import PackedInitError, packed_error
+from packedinit.engine.lean import call
+from packedinit.engine.traits import fn_name
+from packedinit.errors import PackedInitError
 from packedinit.layout import Layout
 from packedinit.model.claims import own_layouts, resolve
-from packedinit.model.marks import annotations_of
-from packedinit.model.parametrized import is_holder, originals_of, stand_in, write_through
+from packedinit.model.held import through_parametrizations, write_entries
+from packedinit.model.steps import CHECKED, call_key, tensor_key
 from packedinit.torch_compat import apply_ancestors as frames_from_apply
 from packedinit.torch_compat import param_dict
 
@@ -47,280 +41,7 @@ __all__ = [
     "init_tree",
     "module_call",
     "apply_ancestors",
-    "plan_steps",
-    "plan_requests",
-    "run_steps",
-    "Step",
-    "LeanStep",
-    "through_parametrizations",
-    "init_held",
 ]
-
-@dataclass(frozen=True)
-class Step:
-    """One validated write of a whole-model call: a local plan, or a DTensor's plan and shard."""
-
-    req: Request
-    plan: Plan | None = None
-    dtensor: DTensorPlan | None = None
-    lean: int = GENERAL  # an unpacked plain tensor: what packedinit.engine.lean.route decided for it
-
-
-#: A write of an unpacked tensor whose checks an equal one passed: ``lean.call``'s arguments
-#: (route, tensor, fn, args, kwargs, name).
-LeanStep: TypeAlias = tuple[int, Tensor, Callable[..., Tensor], tuple[Any, ...], Mapping[str, Any], str | None]
-
-
-def plan_steps(
-    entries: Iterable[tuple[str, Tensor, Layout | None]],
-    init_fn: Callable[..., Tensor],
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-    *,
-    min_dim: int = 2,
-) -> list[Step | LeanStep]:
-    """Validate every entry with ``dim >= min_dim`` before anything is written; return what to write, in order.
-
-    Every tensor gets every check of its own (its memory, dtype, generator device); the
-    dry run of ``init_fn`` on each distinct block shape is cached, so validating a large
-    model costs little more than one check per parameter. An unpacked tensor whose checks an
-    equal one passed (see :func:`_checked_key`) is not planned again.
-    """
-    head = _call_key(init_fn, args, kwargs)
-    mode = torch.is_inference_mode_enabled()
-    steps: list[Step | LeanStep] = []
-    for name, p, layout in entries:
-        # A layout's batch dims index independent blocks: a stacked (n_experts, 2I) bias holds
-        # 1-D blocks and is skipped like any bias, although its stored ndim is 2.
-        if p.dim() - (layout.batch_dims if layout is not None else 0) < min_dim:
-            continue
-        if head is not None and layout is None:
-            key = _tensor_key(p, head, mode)
-            how = _CHECKED.get(key) if key is not None else None
-            if how is not None:
-                steps.append((how, p, init_fn, args, kwargs, name))
-                continue
-        steps.extend(plan_requests((Request(p, layout, None, init_fn, args, kwargs, name),)))
-    return steps
-
-
-#: Unpacked plain tensors whose every check passed, by everything those checks read (see _checked_key),
-#: with what packedinit.engine.lean.route decided for them. Only torch.nn.init functions with plain-valued
-#: arguments: the key keeps no caller's object alive. Bounded; cleared when full.
-_CHECKED: dict[tuple[object, ...], int] = {}
-_CHECKED_MAX = 4096
-_PLAIN_VALUES = (int, float, str, bool, type(None))
-
-
-def _checked_key(req: Request) -> tuple[object, ...] | None:
-    """For an unpacked plain tensor and a torch.nn.init function with plain-valued arguments: everything
-    ``make_plan(req, full=True)`` and ``route`` read (the name only goes into messages); else None."""
-    if req.chunks is not None or req.dim is not None:
-        return None
-    head = _call_key(req.init_fn, req.args, req.kwargs)
-    return _tensor_key(req.tensor, head, torch.is_inference_mode_enabled()) if head is not None else None
-
-
-def _tensor_key(p: Tensor, head: tuple[object, ...], mode: bool) -> tuple[object, ...] | None:
-    """:func:`_checked_key` from its two parts: the call's (:func:`_call_key`) and the tensor's."""
-    if type(p) not in PLAIN_TYPES or p.layout != torch.strided:
-        return None
-    return (head, type(p), p.shape, p.stride(), p.dtype, p.device, p.is_inference(), mode)
-
-
-def _call_key(fn: object, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[object, ...] | None:
-    """The function and its arguments with their types, for :func:`_checked_key`; None unless a torch.nn.init
-    function with plain-valued arguments."""
-    if type(fn) is not types.FunctionType or fn not in TORCH_FNS:
-        return None
-    if not args and not kwargs:
-        return (fn,)
-    if not all(type(v) in _PLAIN_VALUES for v in (*args, *kwargs.values())):
-        return None
-    return (fn, tuple((type(v), v) for v in args), tuple((k, type(v), v) for k, v in kwargs.items()))
-
-
-def plan_requests(reqs: Iterable[Request]) -> list[Step]:
-    """Validate every request before anything is written; return the steps that write, in order.
-
-    An unpacked tensor whose checks an equal one already passed (same shape, strides, dtype,
-    device, function and arguments) is not checked again: the checks read nothing else.
-    """
-    steps: list[Step] = []
-    for req in reqs:
-        p, layout = req.tensor, req.chunks
-        if is_dtensor(p):
-            # every check now, so that the whole model stays all-or-nothing; written by the distributed path
-            steps.append(Step(req, dtensor=plan_dtensor(req)))
-            continue
-        key = _checked_key(req)
-        how = _CHECKED.get(key) if key is not None else None
-        if how is not None:  # an equal tensor passed every check (only written ones are kept)
-            steps.append(Step(req, lean=how))
-            continue
-        plan = make_plan(req, full=True)
-        if plan is not None and not p.is_meta and p.numel():
-            unpacked = layout is None and req.dim is None and callable(req.init_fn)
-            how = route(p, req.init_fn, req.args, req.kwargs, req.param) if unpacked else GENERAL
-            steps.append(Step(req, plan=plan, lean=how))
-            if key is not None and how != GENERAL:
-                if len(_CHECKED) >= _CHECKED_MAX:
-                    _CHECKED.clear()
-                _CHECKED[key] = how
-    return steps
-
-
-def run_steps(steps: Sequence[Step | LeanStep], scratch: Scratch | None = None) -> None:
-    """Write what :func:`plan_steps` validated, in order, sharing one scratch buffer.
-
-    When some function could not be tried on meta (it reads values: the dry run proved
-    nothing about it) and more than one tensor is written, every tensor is copied first, so
-    that a failure on a later tensor puts back the earlier ones and the RNG state: the call
-    stays all-or-nothing.
-    """
-    scratch = scratch or Scratch()
-    if len(steps) > 1 and any(not isinstance(s, tuple) and s.plan is not None and not s.plan.verified for s in steps):
-        _run_undoable(steps, scratch)
-        return
-    _run(steps, scratch)
-
-
-def _run(steps: Sequence[Step | LeanStep], scratch: Scratch) -> None:
-    for step in steps:
-        if isinstance(step, tuple):
-            call(*step)
-            continue
-        req = step.req
-        if step.dtensor is not None:
-            write_planned(step.dtensor, scratch)
-        elif step.lean != GENERAL:
-            call(step.lean, req.tensor, req.init_fn, req.args, req.kwargs, req.param)  # type: ignore[arg-type]
-        elif step.plan is not None:
-            execute(step.plan, LocalSink(req.tensor, step.plan.layout), scratch)
-
-
-def _run_undoable(steps: Sequence[Step | LeanStep], scratch: Scratch) -> None:
-    tensors = [s[1] if isinstance(s, tuple) else s.req.tensor for s in steps]
-    backups = [t.detach().clone() for t in tensors]
-    plan = next(s.plan for s in steps if not isinstance(s, tuple) and s.plan is not None)
-    rng = RngState(tensors[0].device, plan.generator)
-    try:
-        _run(steps, scratch)
-    except Exception as e:
-        with torch.no_grad():
-            for t, b in zip(tensors, backups, strict=True):
-                t.copy_(b)
-        rng.restore()
-        if isinstance(e, PackedInitError):
-            msg = _AS_LEFT.sub("Nothing was written", str(e))
-            cause = e.__cause__
-            msg += " (packedinit restored every tensor it had written and the RNG state)"
-            raise packed_error(msg, cause) from cause
-        if hasattr(e, "add_note"):
-            e.add_note("packedinit: restored every tensor it had written and the RNG state; nothing was written.")
-        raise
-
-
-_AS_LEFT = re.compile(r"packedinit wrote nothing; the tensor is as \S+ left it")
-
-
-Entry: TypeAlias = tuple[str, Tensor, Layout | None]
-#: A packed parametrized tensor: its ``ParametrizationList`` and the plain stand-in initialised per block.
-Swap: TypeAlias = tuple[nn.Module, Tensor]
-
-
-def through_parametrizations(
-    modules: Iterable[nn.Module], entries: Sequence[Entry], init_fn: object
-) -> tuple[list[Entry], list[Swap]]:
-    """Entries in which each packed original of a parametrized tensor is replaced by a plain stand-in.
-
-    The per-block init is meant for the tensor the module computes (``weight = g * v / ||v||``
-    for ``weight_norm``), not for the original that holds the blocks: the stand-in, of the
-    parametrized tensor's shape, is initialised per block, then written to the originals
-    through ``right_inverse`` (:func:`packedinit.parametrized.write_through`: ``g = ||w||,
-    v = w``; a ``spectral_norm``'s vectors are drawn again), as ``module.weight = w`` does.
-    The other originals (``g``) are dropped: the plain loop on the unparametrised module
-    never sees them, so the draws are those of that loop. An original annotated with a
-    layout of its own shape, other than the tensor's, is initialised as it is.
-    """
-    holders = [m for m in modules if is_holder(m)]
-    if not holders:
-        return list(entries), []
-    layout_of = {id(p): lay for _, p, lay in entries}
-    swapped: dict[int, Tensor] = {}
-    dropped: set[int] = set()
-    swaps: list[Swap] = []
-    for holder in holders:
-        held = originals_of(holder)
-        packed = [t for t in held if layout_of.get(id(t)) is not None]
-        if len(packed) != 1:
-            continue
-        one = packed[0]
-        lay = layout_of[id(one)]
-        assert lay is not None  # packed: claimed with a layout
-        if one.dim() - lay.batch_dims < 2:  # a packed 1-D tensor: skipped as any bias is
-            continue
-        name = next(n for n, p, _ in entries if p is one)
-        standin = stand_in(holder, name, current=not callable(init_fn))
-        if tuple(standin.shape) != tuple(one.shape):
-            continue
-        swapped[id(one)] = standin
-        dropped.update(id(t) for t in held if t is not one)
-        swaps.append((holder, standin))
-    if not swaps:
-        return list(entries), []
-    out = [(n, swapped.get(id(p), p), lay) for n, p, lay in entries if id(p) not in dropped]
-    return out, swaps
-
-
-def _write(
-    entries: Sequence[Entry],
-    swaps: Sequence[Swap],
-    init_fn: Callable[..., Tensor],
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-) -> None:
-    """Plan every entry (stand-ins included), write them, then write each stand-in through its parametrization."""
-    run_steps(plan_steps(entries, init_fn, args, kwargs))
-    for holder, standin in swaps:
-        write_through(holder, standin)
-
-
-def init_held(
-    holder: nn.Module,
-    p: Tensor,
-    init_fn: Callable[..., Tensor],
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-    lays: Mapping[int, Layout | None] | None = None,
-) -> bool:
-    """``f(p)`` on an original of a packed ``ParametrizationList``: through the parametrization.
-
-    The packed original: a stand-in of the parametrized tensor is initialised per block and
-    written through ``right_inverse`` (see :func:`through_parametrizations`); a sibling of it
-    (``weight_norm``'s ``g``) is left as it is (that write sets it). False: neither (``p`` is
-    then initialised as it is). ``lays``: the originals' layouts by ``id``; default, the
-    annotations on ``holder``.
-    """
-    anns = annotations_of(holder)
-    prefix = type(holder).__name__
-    entries = [
-        (f"{prefix}.{n}", t, anns.get(n) if lays is None else lays.get(id(t))) for n, t in _leaves(holder)
-    ]
-    out, swaps = through_parametrizations((holder,), entries, init_fn)
-    if not swaps or any(t is p for _, t, _ in out):
-        return False  # p is initialised as it is
-    if any(t is p and lay is not None for _, t, lay in entries):  # the packed original: through the stand-in
-        _write([e for e in out if e[1] is swaps[0][1]], swaps, init_fn, args, kwargs)
-    return True  # else a sibling (g): the packed original's write sets it
-
-
-def _leaves(holder: nn.Module) -> list[tuple[str, Tensor]]:
-    """``(leaf name, original)`` of a ``ParametrizationList``."""
-    held = originals_of(holder)
-    if len(held) == 1:
-        return [("original", held[0])]
-    return [(f"original{i}", t) for i, t in enumerate(held)]
 
 
 def init_tree(
@@ -331,7 +52,7 @@ def init_tree(
 ) -> None:
     """Every distinct parameter with ``dim >= 2`` of ``model``, packed ones per block; all checked first."""
     entries, swaps = through_parametrizations(model.modules(), resolve(model), init_fn)
-    _write(entries, swaps, init_fn, args, kwargs)
+    write_entries(entries, swaps, init_fn, args, kwargs)
 
 
 def apply_ancestors(module: nn.Module, depth: int = 1) -> list[nn.Module] | None:
@@ -358,10 +79,10 @@ def _init_own(
         return
     lays = own_layouts(module, ancestors)
     prefix = type(module).__name__
-    head = _call_key(init_fn, args, kwargs) if not lays else None
+    head = call_key(init_fn, args, kwargs) if not lays else None
     if head is not None:  # nothing packed: where an equal parameter passed every check of each one, just call
         mode = torch.is_inference_mode_enabled()
-        hows = [_CHECKED.get(_tensor_key(p, head, mode) or ()) for _, p in own]
+        hows = [CHECKED.get(tensor_key(p, head, mode) or ()) for _, p in own]
         if None not in hows:
             for (n, p), how in zip(own, hows, strict=True):
                 assert how is not None  # checked just above, before the first write
@@ -370,7 +91,7 @@ def _init_own(
     entries, swaps = through_parametrizations(
         (module,), [(f"{prefix}.{n}", p, lays.get(id(p))) for n, p in own], init_fn
     )
-    _write(entries, swaps, init_fn, args, kwargs)
+    write_entries(entries, swaps, init_fn, args, kwargs)
 
 
 def module_call(
@@ -515,5 +236,5 @@ def init_model(
             )
         entries = kept
     entries, swaps = through_parametrizations(model.modules(), entries, init_fn)
-    _write(entries, swaps, init_fn, args, kwargs)
+    write_entries(entries, swaps, init_fn, args, kwargs)
     return model

@@ -56,10 +56,10 @@ from packedinit.engine.plan import Request
 from packedinit.engine.run import run
 from packedinit.layout import Layout
 from packedinit.model.claims import resolve
+from packedinit.model.held import init_held
 from packedinit.model.marks import param_claim, param_layout
 from packedinit.model.parametrized import is_holder, originals_of
 from packedinit.model.registry import lookup
-from packedinit.model.walk import init_held
 
 __all__ = ["FAN_FNS", "Interception", "acquire", "intercepting", "packed_layout", "original"]
 

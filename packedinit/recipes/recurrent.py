@@ -22,7 +22,7 @@ from packedinit.adapters.torch_nn import LSTM_GATES, gate_layout, gate_names
 from packedinit.engine.plan import InitSpec, Request
 from packedinit.errors import PackedInitError
 from packedinit.layout import Layout
-from packedinit.model.walk import plan_requests, run_steps
+from packedinit.model.steps import plan_requests, run_steps
 from packedinit.recipes.reset import check_generator
 
 __all__ = ["init_recurrent_"]
