@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from packedinit import layouts
+from packedinit import PackedInitError, layouts
 from packedinit.recipes.reset import reset_parameters
 
 transformers = pytest.importorskip("transformers", reason="needs the test extras: pip install -e '.[test]'")
@@ -104,6 +104,27 @@ def encodec() -> nn.Module:
 HF_MODELS = [vit, dinov2, vitmae, wav2vec2, hubert, encodec]
 
 
+def construction_only(make: Callable[[], nn.Module]) -> bool:
+    """Whether this transformers leaves wav2vec2's ``masked_spec_embed`` to construction alone.
+
+    transformers 5.24's ``_init_weights`` fills it; 5.20 (the newest for Python 3.10) draws it in
+    ``__init__`` only, so after ``to_empty`` nothing the model defines fills it, and strict
+    ``reset_parameters`` must refuse it by name (right or loud) rather than leave garbage.
+    """
+    if make is not wav2vec2:
+        return False
+    import inspect
+
+    from transformers.models.wav2vec2 import modeling_wav2vec2
+
+    return "masked_spec_embed" not in inspect.getsource(modeling_wav2vec2.Wav2Vec2PreTrainedModel._init_weights)
+
+
+def refused_by_name(model: nn.Module) -> None:
+    with pytest.raises(PackedInitError, match=r"no known init covers 1 parameter.*'masked_spec_embed'"):
+        reset_parameters(model)
+
+
 @pytest.mark.parametrize("make", HF_MODELS, ids=lambda f: f.__name__)
 def test_strict_meta_flow_gives_the_normal_builds_distributions(make: Callable[[], nn.Module]) -> None:
     # Before: ViT/Dinov2 refused cls_token and position_embeddings (trunc_normal_ is a no-op on meta);
@@ -119,6 +140,9 @@ def test_strict_meta_flow_gives_the_normal_builds_distributions(make: Callable[[
         normal.embeddings.initialize_weights()
     torch.manual_seed(1)
     flow = on_meta(make)
+    if construction_only(make):
+        refused_by_name(flow)
+        return
     reset_parameters(flow)
     assert distribution_gaps(normal, flow) == []
 
@@ -130,6 +154,9 @@ def test_a_normally_built_model_resets_strictly(make: Callable[[], nn.Module]) -
     normal = make()
     before = {n: t.clone() for n, t in tensors(normal).items()}
     torch.manual_seed(1)
+    if construction_only(make):
+        refused_by_name(normal)
+        return
     reset_parameters(normal)
     assert all(bool(t.isfinite().all()) for t in tensors(normal).values())
     changed = [n for n, t in tensors(normal).items() if not torch.equal(t, before[n])]
@@ -145,6 +172,9 @@ def test_a_normally_built_model_resets_strictly(make: Callable[[], nn.Module]) -
 def test_wav2vec2_meta_flow_forward_is_finite() -> None:
     torch.manual_seed(0)
     model = on_meta(wav2vec2)
+    if construction_only(wav2vec2):
+        refused_by_name(model)
+        return
     reset_parameters(model)
     with torch.no_grad():
         out = model(torch.randn(1, 400)).last_hidden_state

@@ -7,6 +7,7 @@ import functools
 import gc
 import math
 import struct
+import sys
 import threading
 import weakref
 
@@ -77,12 +78,12 @@ def test_caches_keep_no_generator_alive() -> None:
     """Item 9: a generator passed once is not kept by the plan/program caches."""
     for chunks, fn in ((3, xavier_uniform_), ([2, 2, 2], normal_), (3, functools.partial(uniform_, a=-1.0))):
         g = torch.Generator().manual_seed(0)
-        ref = weakref.ref(g)
+        held = sys.getrefcount(g)  # torch 2.6's Generator takes no weak reference: count the references
         w = torch.empty(6, 4)
         chunked_init(w, chunks, 0, fn, generator=g)
         chunked_init(w, chunks, 0, fn, generator=g)  # a second call hits the caches
-        del g
-        assert _dead(ref), (chunks, fn)  # type: ignore[arg-type]
+        gc.collect()
+        assert sys.getrefcount(g) == held, (chunks, fn)
 
 
 def test_a_cached_plan_uses_the_calls_own_generator() -> None:
