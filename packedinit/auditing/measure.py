@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from packedinit.auditing.report import AuditReport, BlockAudit, ParamAudit, Suspect, compact, multi_block, render
+from packedinit.auditing.records import BlockAudit, ParamAudit, Suspect, compact, multi_block
+from packedinit.auditing.report import AuditReport, render
 from packedinit.auditing.stats import (
     DEFAULT_REFERENCES,
     TOL_FLOOR,

@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from packedinit.auditing.measure import AuditReport, Reference, audit, compact
-from packedinit.auditing.report import json_safe
+from packedinit.auditing.records import json_safe
 from packedinit.cli.parse import (
     Target,
     UsageError,
