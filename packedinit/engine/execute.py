@@ -20,9 +20,10 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from packedinit.engine.dryrun import rejected
 from packedinit.engine.lean import PLAIN_TYPES
 from packedinit.engine.orient import draws_in_place, row_major, stored_order, write_stored
-from packedinit.engine.plan import Plan, rejected
+from packedinit.engine.plan import Plan
 from packedinit.engine.traits import (
     TORCH_FNS,
     TORCH_INIT,

@@ -16,7 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from packedinit.engine.chunks import Chunks, as_layout
-from packedinit.engine.plan import INFERENCE_FIX, Request, Where, check_tensor, inference_refused, rejected
+from packedinit.engine.dryrun import rejected
+from packedinit.engine.plan import INFERENCE_FIX, Request, Where, check_tensor, inference_refused
 from packedinit.engine.traits import (
     GENERATOR_OK,
     LEAN,
