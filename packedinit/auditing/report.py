@@ -12,7 +12,7 @@ from typing import Any
 from packedinit.auditing.records import ParamAudit, Suspect, compact, json_safe
 from packedinit.auditing.stats import DEFAULT_REFERENCES, TOL_FLOOR, Reference, Z
 from packedinit.auditing.verdict import UNDECIDED_ALIKE
-from packedinit.layout import fmt_shape
+from packedinit.shapes import fmt_shape
 
 __all__ = ["AuditReport", "render"]
 

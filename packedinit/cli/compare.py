@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from packedinit.auditing.measure import AuditReport, Reference, compact
-from packedinit.layout import fmt_shape
+from packedinit.shapes import fmt_shape
 
 __all__ = ["render_comparison"]
 

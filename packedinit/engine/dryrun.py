@@ -22,7 +22,8 @@ from packedinit.engine.traits import (
     substitute,
 )
 from packedinit.errors import PackedInitError, packed_error
-from packedinit.layout import LogicalBlock, fmt_shape
+from packedinit.layout import LogicalBlock
+from packedinit.shapes import fmt_shape
 
 if TYPE_CHECKING:
     from packedinit.engine.plan import Plan

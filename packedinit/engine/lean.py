@@ -30,7 +30,8 @@ from packedinit.engine.traits import (
     convertible,
     fn_name,
 )
-from packedinit.layout import Layout, fmt_shape
+from packedinit.layout import Layout
+from packedinit.shapes import fmt_shape
 
 __all__ = ["GENERAL", "SKIP", "TORCH", "USER", "PLAIN_TYPES", "route", "call", "whole", "lean_call"]
 

@@ -37,7 +37,8 @@ from packedinit.engine.traits import (
     who,
 )
 from packedinit.errors import PackedInitError, packed_error
-from packedinit.layout import Layout, LogicalBlock, fmt_shape, is_int
+from packedinit.layout import Layout, LogicalBlock
+from packedinit.shapes import fmt_shape, is_int
 
 __all__ = [
     "InitFn",
