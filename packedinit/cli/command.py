@@ -64,8 +64,8 @@ from packedinit.cli.parse import (
     build_target,
     parse_init,
     parse_target,
-    shorten,
 )
+from packedinit.cli.words import shorten
 from packedinit.errors import PackedInitError
 from packedinit.layout import Layout
 
