@@ -19,18 +19,17 @@ import torch
 from torch import Tensor
 
 from packedinit.engine.chunks import Chunks, as_layout
+from packedinit.engine.direct import DirectDraw, direct_draw
 from packedinit.engine.dryrun import dry_run
 from packedinit.engine.keys import request_key
 from packedinit.engine.traits import (
     DETERMINISTIC_FNS,
     TORCH_FNS,
-    DirectDraw,
     accepts_generator,
     base,
     check_fn_dtype,
     check_values,
     compute_dtype,
-    direct_draw,
     fn_name,
     hashable_in,
     substitute,
