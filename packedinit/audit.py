@@ -34,12 +34,12 @@ from packedinit.auditing.measure import (
     Verdict,
     Z,
     audit,
-    audit_tensors,
     compact,
     context_references,
     render,
     tolerance,
 )
+from packedinit.auditing.tensors import audit_tensors
 
 __all__ = [
     "AuditReport",

@@ -16,7 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import packedinit
 from packedinit import Layout, PackedInitError, chunked_init
-from packedinit.auditing.measure import DEFAULT_REFERENCES, AuditReport, Reference, audit, audit_tensors, tolerance
+from packedinit.auditing.measure import DEFAULT_REFERENCES, AuditReport, Reference, audit, tolerance
+from packedinit.auditing.tensors import audit_tensors
 
 init = torch.nn.init
 QKV = ("q", "k", "v")

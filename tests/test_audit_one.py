@@ -16,7 +16,8 @@ from torch import nn
 
 import packedinit
 from packedinit import Layout, audit
-from packedinit.cli.command import EXIT_CANNOT_TELL, EXIT_OK, EXIT_PACKED, EXIT_USAGE, main
+from packedinit.cli.command import main
+from packedinit.cli.options import EXIT_CANNOT_TELL, EXIT_OK, EXIT_PACKED, EXIT_USAGE
 
 
 def run_main(*args: str) -> tuple[int, str, str]:

@@ -22,8 +22,10 @@ from torch import nn
 
 import packedinit
 from packedinit.auditing.measure import audit
-from packedinit.cli.command import EXIT_INTERRUPTED, EXIT_OK, EXIT_PACKED, EXIT_USAGE, affected, json_safe, main
-from packedinit.cli.parse import SEED_MAX, UsageError, build_target, did_you_mean, parse_init, parse_target
+from packedinit.cli.command import affected, json_safe, main
+from packedinit.cli.options import EXIT_INTERRUPTED, EXIT_OK, EXIT_PACKED, EXIT_USAGE
+from packedinit.cli.parse import SEED_MAX, UsageError, build_target, parse_init, parse_target
+from packedinit.cli.words import did_you_mean
 
 ROOT = Path(__file__).resolve().parent.parent
 DEEP = "[" * 60_000 + "]" * 60_000  # MemoryError / RecursionError in the parser

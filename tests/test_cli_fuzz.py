@@ -15,7 +15,8 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from packedinit.cli.command import EXIT_OK, EXIT_PACKED, EXIT_USAGE, main
+from packedinit.cli.command import main
+from packedinit.cli.options import EXIT_OK, EXIT_PACKED, EXIT_USAGE
 from packedinit.cli.parse import SEED_MAX, Target, UsageError, parse_init, parse_seed, parse_target
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"

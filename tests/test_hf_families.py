@@ -381,7 +381,7 @@ def test_a_wrong_layout_is_caught_by_the_proof() -> None:
 @pytest.mark.parametrize("build", [falcon_mamba, jamba, mamba2, bamba, deepseek_v2, deepseek_v3, qwen3_next])
 def test_tracer_agrees_with_the_new_adapters(build: Callable[[], nn.Module]) -> None:
     """The forward tracer, run on the model, finds exactly the blocks the hand-written adapters claim."""
-    from packedinit.trace.forward import disagreements
+    from packedinit.trace.compare import disagreements
 
     model = build()
     found = packedinit.infer_layouts(model, input_ids=_ids(), use_cache=False)

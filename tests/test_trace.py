@@ -10,7 +10,8 @@ from torch import Tensor, nn
 
 import packedinit
 from packedinit import Layout, PackedInitError
-from packedinit.trace.forward import disagreements, infer_layouts, same_blocks
+from packedinit.trace.compare import disagreements, same_blocks
+from packedinit.trace.forward import infer_layouts
 
 X = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
 

@@ -30,7 +30,8 @@ import torch
 from torch import Tensor, nn
 
 from packedinit import Layout, chunked_init
-from packedinit.auditing.measure import Reference, audit, audit_tensors
+from packedinit.auditing.measure import Reference, audit
+from packedinit.auditing.tensors import audit_tensors
 
 init = nn.init
 

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from packedinit import Layout, chunked_init
-from packedinit.auditing.measure import Reference, audit_tensors
+from packedinit.auditing.measure import Reference
+from packedinit.auditing.tensors import audit_tensors
 from packedinit.cli.command import main as cli_main
 
 PAGES = Path(__file__).resolve().parent.parent / "pages"

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 import packedinit
-from packedinit.trace.forward import disagreements
+from packedinit.trace.compare import disagreements
 
 _SIZES: dict[str, int] = {
     "hidden_size": 64, "d_model": 64, "n_embd": 64, "dim": 64, "embed_dim": 64, "n_embed": 64, "d_embed": 64,

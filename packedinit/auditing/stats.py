@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from packedinit.errors import PackedInitError
-from packedinit.layout import fans
+from packedinit.shapes import fans
 
 __all__ = [
     "DEFAULT_REFERENCES",

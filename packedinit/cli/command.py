@@ -41,24 +41,33 @@ import sys
 import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext, redirect_stdout
-from typing import Any, NoReturn, TextIO
+from typing import Any, TextIO
 
 import torch
 from torch import Tensor, nn
 
-from packedinit.auditing.measure import AuditReport, Reference, audit, compact
-from packedinit.auditing.report import json_safe
+from packedinit.auditing.measure import AuditReport, Reference, audit
+from packedinit.auditing.records import json_safe
+from packedinit.cli.compare import render_comparison
+from packedinit.cli.options import (
+    EXIT_CANNOT_TELL,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_PACKED,
+    EXIT_REFUSED,
+    EXIT_USAGE,
+    build_parser,
+)
 from packedinit.cli.parse import (
     Target,
     UsageError,
     build_target,
     parse_init,
-    parse_seed,
     parse_target,
-    shorten,
 )
+from packedinit.cli.words import shorten
 from packedinit.errors import PackedInitError
-from packedinit.layout import Layout, fmt_shape
+from packedinit.layout import Layout
 
 __all__ = [
     "main",
@@ -71,13 +80,6 @@ __all__ = [
     "affected",
     "json_safe",
 ]
-
-EXIT_OK = 0
-EXIT_PACKED = 1
-EXIT_USAGE = 2
-EXIT_REFUSED = 3
-EXIT_CANNOT_TELL = 4
-EXIT_INTERRUPTED = 130
 
 
 def affected(report: AuditReport) -> bool:
@@ -151,22 +153,6 @@ class Progress:
             self._dirty = False
 
 
-def _fmt_std(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.4f}" if x >= 1e-3 or x == 0 else f"{x:.1e}"
-
-
-_SHORT = {
-    "per-block": "ok",
-    "packed": "PACKED",
-    "undecided": "?",
-    "unknown": "other",
-    "constant": "const",
-    "fan-independent": "fan-indep",
-}
-
-
 def _packed_items(model: nn.Module, layouts: dict[str, Layout]) -> Iterator[tuple[str, Tensor, Layout]]:
     params = dict(model.named_parameters(remove_duplicate=False))
     seen: set[int] = set()
@@ -175,136 +161,6 @@ def _packed_items(model: nn.Module, layouts: dict[str, Layout]) -> Iterator[tupl
         if id(p) not in seen and p.dim() >= 2:
             seen.add(id(p))
             yield name, p, layout
-
-
-def render_comparison(reports: Sequence[tuple[str, AuditReport]], ref: Reference, title: str) -> str:
-    """The before/after table: one column of measured stds per scenario, 2-D blocks only."""
-    first = reports[0][1]
-    lines = [title, f"init: {ref.describe()}; 'per-block' = the std it gives each logical block on its own"]
-    lines.append("cells: measured std, ratio to per-block, verdict (ok = per-block; PACKED = the init ran on the")
-    lines.append("       whole packed tensor; fan-indep = an init that reads no fans, so packing does not change it;")
-    lines.append("       ? = undecided (too few values); other = neither)")
-    lines.append("")
-    rows: list[tuple[str, ...]] = []
-    for pi, p in enumerate(first.params):
-        if p.blocks and p.blocks[0].fan_in is None:
-            continue
-        rows.append((f"{p.name}  {fmt_shape(p.shape)}  [{compact(p.layout)}]",))
-        for bi, b in enumerate(p.blocks):
-            expected = b.expected_std(ref.name).per_block
-            cells = [f"  {b.label}", fmt_shape(b.shape), str(b.fan_in), str(b.fan_out), _fmt_std(expected)]
-            for _, rep in reports:
-                rb = rep.params[pi].blocks[bi]
-                if rb.std is None or not expected:
-                    cells.append(_fmt_std(rb.std))
-                else:
-                    cells.append(f"{_fmt_std(rb.std)} {rb.std / expected:4.2f}x {_SHORT.get(rb.verdict, rb.verdict)}")
-            rows.append(tuple(cells))
-    head = ("  block", "shape", "fan_in", "fan_out", "per-block", *(name for name, _ in reports))
-    ncols = len(head)
-    widths = [max([len(head[i])] + [len(r[i]) for r in rows if len(r) == ncols]) for i in range(ncols)]
-    left = {0, 1}
-    lines.append(
-        "  ".join(h.ljust(w) if i in left else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths, strict=False)))
-    )
-    for r in rows:
-        if len(r) == 1:
-            lines.append(r[0])
-        else:
-            lines.append(
-                "  ".join(
-                    c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False))
-                )
-            )
-    lines.append("")
-    for name, rep in reports:
-        ratios: list[float] = []
-        counts: dict[str, int] = {}
-        for p in rep.params:
-            for b in p.blocks:
-                e = b.expected_std(ref.name).per_block
-                if b.fan_in is None or b.std is None or not e:
-                    continue
-                ratios.append(b.std / e)
-                counts[b.verdict] = counts.get(b.verdict, 0) + 1
-        if ratios:
-            words = {k: _SHORT[k] if k in ("packed", "per-block") else k for k in counts}
-            tally = ", ".join(f"{v} {words[k]}" for k, v in sorted(counts.items()))
-            lines.append(f"{name}: {tally}; std / per-block std from {min(ratios):.2f}x to {max(ratios):.2f}x")
-    if not rows:
-        lines.append("no 2-D packed parameters: nothing to compare.")
-    return "\n".join(lines)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: ``packedinit: error: ... (see 'packedinit audit --help')``, exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"packedinit: error: {' '.join(message.split())} (see '{self.prog} --help')\n")
-
-
-def _seed_type(text: str) -> int:
-    try:
-        return parse_seed(text)
-    except UsageError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--seed ")) from None
-
-
-_EXIT_CODES = (
-    "exit codes: 0 ok; 1 --check found affected parameters; 2 bad command line or target (a factory that raised "
-    "included); 3 packedinit refused the model; 4 --check cannot tell (no values to measure); 130 interrupted."
-)
-
-
-def _build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="packedinit",
-        description="Correct torch.nn.init for packed parameters (fused QKV, LSTM/GRU gates, GQA, MoE experts).",
-        epilog=_EXIT_CODES,
-    )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    a = sub.add_parser(
-        "audit",
-        help="audit a model's packed parameters (default: a built-in demo model)",
-        description="Audit every packed parameter of a model, block by block: measured std, what per-block and "
-        "whole-tensor (packed) inits give, and a verdict. With no TARGET: a built-in demo model "
-        "(TransformerEncoderLayer, LSTM, GRU), before and after packedinit.",
-        epilog="TARGET is package.module:factory: it is imported and called like python -c would (never pass one "
-        "you do not trust); ARGs are key=value (or positional) Python literals, never evaluated code. "
-        "A factory returning a transformers config is built with transformers.AutoModel.from_config. "
-        "Examples: 'torch.nn:MultiheadAttention embed_dim=512 num_heads=8', "
-        "'transformers:GPT2Config n_layer=2 n_embd=64 n_head=4'. " + _EXIT_CODES,
-    )
-    a.add_argument("target", nargs="?", metavar="TARGET", help="package.module:factory (default: the demo model)")
-    a.add_argument("args", nargs="*", metavar="ARG", help="factory arguments: key=value or positional literals")
-    a.add_argument(
-        "--init",
-        metavar="FN",
-        help="also show the effect of this torch.nn.init function run on each packed tensor and run per block "
-        "(e.g. xavier_uniform_, \"kaiming_normal_(nonlinearity='relu')\"); the demo uses xavier_uniform_",
-    )
-    a.add_argument("--json", action="store_true", help="print JSON instead of tables (NaN/inf are written as null)")
-    a.add_argument("--meta", action="store_true", help="build the model on the meta device: shapes and fans only")
-    a.add_argument(
-        "--seed",
-        type=_seed_type,
-        default=0,
-        metavar="N",
-        help="torch.manual_seed(N) before building and each init (default 0; 0 <= N < 2**64)",
-    )
-    a.add_argument(
-        "--check",
-        action="store_true",
-        help="exit 1 if parameters of the model as built are affected; 4 if it cannot tell (no values to measure)",
-    )
-    return parser
-
-
-def _version() -> str:
-    from packedinit import __version__
-
-    return __version__
 
 
 def _error(stream: TextIO, msg: str) -> None:
@@ -458,7 +314,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     """
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
-    parser = _build_parser()
+    parser = build_parser()
     try:
         with _redirect(out, err):
             ns = parser.parse_args(list(argv) if argv is not None else None)

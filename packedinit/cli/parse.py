@@ -8,14 +8,12 @@ arguments of ``--init``, are Python literals read with :func:`ast.literal_eval`,
 from __future__ import annotations
 
 import ast
-import difflib
 import importlib
 import inspect
 import math
-import pkgutil
 import re
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from packedinit.auditing.measure import Reference
+from packedinit.cli.configs import config_keys, is_hf_config, is_hf_config_class
+from packedinit.cli.words import clip, did_you_mean, module_hint, shorten
 from packedinit.errors import PackedInitError
 
 __all__ = [
@@ -33,9 +33,6 @@ __all__ = [
     "parse_target",
     "parse_init",
     "build_target",
-    "did_you_mean",
-    "closest",
-    "shorten",
 ]
 
 #: The largest ``--seed`` torch accepts (``torch.manual_seed`` takes 0 to 2**64 - 1).
@@ -51,60 +48,6 @@ _MAX_STD = 1e15
 
 class UsageError(Exception):
     """A command-line problem: reported as one line, exit code 2."""
-
-
-def shorten(text: str, limit: int = 80) -> str:
-    """``repr(text)``, cut in the middle when longer than ``limit`` characters (error messages stay one short line).
-
-    Examples:
-        >>> shorten("[" * 1000, limit=20)
-        "'[[[[[[...[[[[[[' (1000 characters)"
-    """
-    r = repr(text)
-    if len(r) <= limit:
-        return r
-    half = (limit - 6) // 2
-    return f"{r[:half]}...{r[-half:]} ({len(text)} characters)"
-
-
-def _clip(e: BaseException, limit: int = 200) -> str:
-    """An exception's message on one line, at most ``limit`` characters."""
-    msg = " ".join(str(e).split())
-    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
-
-
-def did_you_mean(word: str, candidates: Iterable[str]) -> str:
-    """``" (did you mean 'a' or 'b'?)"`` for the closest candidates; ``""`` when none is close.
-
-    Prefix matches come first (``xavier`` -> ``xavier_uniform_``), then :mod:`difflib` ones.
-    Names starting with ``_`` are offered only when ``word`` does.
-
-    Examples:
-        >>> did_you_mean("n_layr", ["n_layer", "n_head", "n_embd"])
-        " (did you mean 'n_layer'?)"
-        >>> did_you_mean("xavier", ["xavier_uniform_", "xavier_normal_", "zeros_"])
-        " (did you mean 'xavier_normal_' or 'xavier_uniform_'?)"
-        >>> did_you_mean("zzz", ["n_layer"])
-        ''
-    """
-    return _phrase(closest(word, candidates))
-
-
-def closest(word: str, candidates: Iterable[str]) -> list[str]:
-    """Up to three candidates close to ``word``: prefix matches first, then :mod:`difflib` ones.
-
-    Examples:
-        >>> closest("Linaer", ["Linear", "Bilinear", "LSTM"])
-        ['Linear']
-    """
-    pool = sorted({c for c in candidates if word.startswith("_") or not c.startswith("_")})
-    prefix = [c for c in pool if word and c.startswith(word) and c != word]
-    close = difflib.get_close_matches(word, pool, n=3, cutoff=0.75)
-    return list(dict.fromkeys(prefix[:3] + close))[:3]
-
-
-def _phrase(best: Sequence[str]) -> str:
-    return " (did you mean " + " or ".join(repr(b) for b in best) + "?)" if best else ""
 
 
 def parse_seed(text: str) -> int:
@@ -232,7 +175,7 @@ def _trial(text: str, fn: Callable[..., Tensor], ref: Reference) -> None:
             fn(trial, **dict(ref.kwargs))
         std = ref.std(shape)
     except Exception as e:  # torch refuses the arguments: uniform_(1.0, 0.0), normal_(std=-1.0), ...
-        raise UsageError(f"--init {shorten(text)}: torch refused it: {type(e).__name__}: {_clip(e)}") from None
+        raise UsageError(f"--init {shorten(text)}: torch refused it: {type(e).__name__}: {clip(e)}") from None
     if std is not None and not (math.isfinite(std) and std >= 0):
         raise UsageError(f"--init {shorten(text)}: its std would be {std:g}; use a gain/std/bounds giving std >= 0")
     measured = float(trial.double().std(correction=0))
@@ -306,44 +249,15 @@ def parse_init(text: str) -> tuple[Callable[..., Tensor], Reference]:
     return fn, ref
 
 
-def _is_hf_config(obj: object) -> bool:
-    return any(
-        c.__name__ in ("PretrainedConfig", "PreTrainedConfig") and c.__module__.startswith("transformers")
-        for c in type(obj).__mro__
-    )
-
-
-def _is_hf_config_class(obj: object) -> bool:
-    return isinstance(obj, type) and any(
-        c.__name__ in ("PretrainedConfig", "PreTrainedConfig") and c.__module__.startswith("transformers")
-        for c in obj.__mro__
-    )
-
-
-def _config_keys(cls: type) -> set[str] | None:
-    """Every key a config class knows: its fields, aliases, ``__init__`` parameters and settable properties."""
-    try:
-        fresh = cls()
-    except Exception:  # a config without defaults: its keys cannot be listed, so they are not checked
-        return None
-    keys = set(fresh.to_dict()) | set(vars(fresh)) | set(getattr(cls, "attribute_map", {}))
-    for klass in cls.__mro__:
-        init = vars(klass).get("__init__")
-        if callable(init):
-            keys |= set(inspect.signature(init).parameters) - {"self", "args", "kwargs"}
-    keys |= {n for n in dir(cls) if isinstance(inspect.getattr_static(cls, n, None), property)}
-    return keys
-
-
 def _check_config_keys(target: Target, factory: object, config: object) -> None:
     """Refuse keywords a transformers config would silently keep as unknown attributes (``n_layr=2``)."""
     owner = getattr(factory, "__self__", None)
-    names_config = _is_hf_config_class(factory) or (
+    names_config = is_hf_config_class(factory) or (
         isinstance(owner, type) and owner.__module__.startswith("transformers") and "Config" in owner.__name__
     )
     if not names_config or not target.kwargs:
         return
-    keys = _config_keys(type(config))
+    keys = config_keys(type(config))
     if keys is None:
         return
     for key, _ in target.kwargs:
@@ -354,27 +268,16 @@ def _check_config_keys(target: Target, factory: object, config: object) -> None:
             )
 
 
-def _module_hint(missing: str) -> str:
-    """Did-you-mean for a module that is not there: its siblings in the parent package (or top-level modules)."""
-    parent, _, leaf = missing.rpartition(".")
-    try:
-        path = getattr(sys.modules[parent], "__path__", None) if parent else None
-        names = [m.name for m in pkgutil.iter_modules(path)] if not parent or path is not None else []
-    except Exception:  # an odd package: no suggestion
-        names = []
-    return _phrase([f"{parent}.{n}" if parent else n for n in closest(leaf, names)])
-
-
 def _resolve(target: Target) -> Any:
     try:
         obj: Any = importlib.import_module(target.module)
     except KeyboardInterrupt:
         raise
     except ModuleNotFoundError as e:
-        hint = _module_hint(e.name or target.module)
-        raise UsageError(f"cannot import {target.module!r}: ModuleNotFoundError: {_clip(e)}{hint}") from None
+        hint = module_hint(e.name or target.module)
+        raise UsageError(f"cannot import {target.module!r}: ModuleNotFoundError: {clip(e)}{hint}") from None
     except BaseException as e:  # any import failure (sys.exit at import included) is one line
-        raise UsageError(f"cannot import {target.module!r}: {type(e).__name__}: {_clip(e)}") from None
+        raise UsageError(f"cannot import {target.module!r}: {type(e).__name__}: {clip(e)}") from None
     for part in target.attr.split("."):
         try:
             obj = getattr(obj, part)
@@ -385,13 +288,13 @@ def _resolve(target: Target) -> Any:
                 names = []
             raise UsageError(f"{target.module}:{target.attr}: {part!r} not found{did_you_mean(part, names)}") from None
         except Exception as e:  # lazy attributes (transformers) may fail on access
-            raise UsageError(f"{target.module}:{target.attr}: {type(e).__name__}: {_clip(e)}") from None
+            raise UsageError(f"{target.module}:{target.attr}: {type(e).__name__}: {clip(e)}") from None
     return obj
 
 
 def _refuse_model_class_with_keywords(target: Target, obj: object) -> None:
     config_class = getattr(obj, "config_class", None)
-    if not (isinstance(obj, type) and issubclass(obj, nn.Module) and _is_hf_config_class(config_class)):
+    if not (isinstance(obj, type) and issubclass(obj, nn.Module) and is_hf_config_class(config_class)):
         return
     if not (target.args or target.kwargs):
         return
@@ -432,7 +335,7 @@ def build_target(target: Target) -> nn.Module:
     _refuse_model_class_with_keywords(target, obj)
     try:
         result = obj(*target.args, **dict(target.kwargs))
-        if _is_hf_config(result):
+        if is_hf_config(result):
             _check_config_keys(target, obj, result)
             auto_model = importlib.import_module("transformers").AutoModel
             result = auto_model.from_config(result)
@@ -441,7 +344,7 @@ def build_target(target: Target) -> nn.Module:
     except SystemExit as e:  # the factory called sys.exit: its code must not become ours
         raise UsageError(f"{target} failed: a factory that raised SystemExit({e.code!r})") from None
     except BaseException as e:  # the user's factory may raise anything: one line
-        raise UsageError(f"{target} failed: {type(e).__name__}: {_clip(e, 300)}") from None
+        raise UsageError(f"{target} failed: {type(e).__name__}: {clip(e, 300)}") from None
     if not isinstance(result, nn.Module):
         raise UsageError(f"{target} returned a {type(result).__name__}, not an nn.Module or a transformers config")
     return result

@@ -15,7 +15,8 @@ from typing import TypeAlias, Union
 from torch import Tensor
 
 from packedinit.errors import PackedInitError
-from packedinit.layout import Layout, LogicalBlock, fmt_shape, is_int, where_prefix
+from packedinit.layout import Layout, LogicalBlock
+from packedinit.shapes import fmt_shape, is_int, where_prefix
 
 __all__ = ["Chunks", "as_layout", "logical_blocks"]
 

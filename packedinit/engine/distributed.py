@@ -36,7 +36,8 @@ from packedinit.engine.execute import LocalSink, Scratch, execute, fill_block
 from packedinit.engine.orient import fill_stored, stored_order, stored_shape
 from packedinit.engine.plan import Plan, Request, Where, check_tensor, make_plan
 from packedinit.errors import PackedInitError
-from packedinit.layout import LogicalBlock, fmt_shape
+from packedinit.layout import LogicalBlock
+from packedinit.shapes import fmt_shape
 from packedinit.torch_compat import buffer_dict, custom_shard_order, param_dict
 
 if TYPE_CHECKING:

@@ -20,20 +20,12 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from packedinit.engine.direct import draw, joins
+from packedinit.engine.dryrun import rejected
 from packedinit.engine.lean import PLAIN_TYPES
 from packedinit.engine.orient import draws_in_place, row_major, stored_order, write_stored
-from packedinit.engine.plan import Plan, rejected
-from packedinit.engine.traits import (
-    TORCH_FNS,
-    TORCH_INIT,
-    UNIFORM_FNS,
-    base,
-    compute_dtype,
-    convertible,
-    draw,
-    hashable_in,
-    joins,
-)
+from packedinit.engine.plan import Plan
+from packedinit.engine.traits import TORCH_FNS, TORCH_INIT, UNIFORM_FNS, base, compute_dtype, convertible, hashable_in
 from packedinit.layout import Layout, LogicalBlock
 from packedinit.torch_compat import set_grad_enabled
 
@@ -221,7 +213,7 @@ class LocalSink:
 
         On CPU one ``uniform_``/``normal_`` call over blocks that follow each other in memory
         draws exactly what one call per block draws, under the rule of
-        :func:`~packedinit.engine.traits.joins` (the engine tests check it bit for bit). CUDA draws
+        :func:`~packedinit.engine.direct.joins` (the engine tests check it bit for bit). CUDA draws
         per launch: never merged there.
         """
         geometry = self.geometry

@@ -16,7 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from packedinit.engine.chunks import Chunks, as_layout
-from packedinit.engine.plan import INFERENCE_FIX, Request, Where, check_tensor, inference_refused, rejected
+from packedinit.engine.dryrun import rejected
+from packedinit.engine.plan import INFERENCE_FIX, Request, Where, check_tensor, inference_refused
 from packedinit.engine.traits import (
     GENERATOR_OK,
     LEAN,
@@ -29,7 +30,8 @@ from packedinit.engine.traits import (
     convertible,
     fn_name,
 )
-from packedinit.layout import Layout, fmt_shape
+from packedinit.layout import Layout
+from packedinit.shapes import fmt_shape
 
 __all__ = ["GENERAL", "SKIP", "TORCH", "USER", "PLAIN_TYPES", "route", "call", "whole", "lean_call"]
 

@@ -25,8 +25,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from packedinit.engine.direct import DirectDraw, draw
 from packedinit.engine.plan import Plan
-from packedinit.engine.traits import TORCH_INIT, DirectDraw, base, draw, hashable_in
+from packedinit.engine.traits import TORCH_INIT, base, hashable_in
 from packedinit.layout import Layout, LogicalBlock
 
 __all__ = ["stored_order", "stored_shape", "fill_stored", "write_stored", "draws_in_place", "row_major", "STORED_FNS"]

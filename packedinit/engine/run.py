@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from packedinit.engine.direct import DirectDraw, draw
 from packedinit.engine.distributed import init_dtensor
 from packedinit.engine.execute import LocalSink, Scratch, execute
 from packedinit.engine.keys import request_key
 from packedinit.engine.lean import GENERAL, PLAIN_TYPES, call, route, whole
 from packedinit.engine.plan import Plan, Request, cacheable, make_plan
-from packedinit.engine.traits import DirectDraw, draw, is_dtensor
+from packedinit.engine.traits import is_dtensor
 from packedinit.torch_compat import set_grad_enabled
 
 __all__ = ["run"]

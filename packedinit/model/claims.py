@@ -15,11 +15,12 @@ from typing import TypeVar
 from torch import Tensor, nn
 
 from packedinit.errors import PackedInitError
-from packedinit.layout import Layout, fmt_shape
+from packedinit.layout import Layout
 from packedinit.model.marks import ANNOTATIONS, has_annotations, stamp
 from packedinit.model.marks import annotations_of as stored_annotations
 from packedinit.model.registry import adapter_name, ensure_builtins, key_name, lookup
 from packedinit.model.wrappers import find, missing
+from packedinit.shapes import fmt_shape
 from packedinit.torch_compat import param_dict
 
 __all__ = ["layouts", "annotate", "annotations_of", "resolve", "own_layouts"]
