@@ -64,3 +64,13 @@ def test_a_failure_is_listed_with_its_reason(sweep: ModuleType, tmp_path: Path) 
     page = tmp_path / "sweep.md"
     assert sweep.main(["--from-jsonl", "--jsonl", str(out), "--page", str(page)]) == 0
     assert page.read_text() == sweep.page(rows, 1.0).replace("(0 min", "(0 min")
+
+
+def test_mla_without_a_rotary_part_claims_nothing_it_cannot_split(sweep: ModuleType) -> None:
+    """Before: GLM-5-Next (qk_rope_head_dim 0) made the MLA adapter raise 'every size must be positive' on
+    Layout(0, [512, 0]), so audit and chunked(f)(model) failed on the model; with no rotary part,
+    kv_a_proj_with_mqa is one block and nothing is claimed for it."""
+    row = sweep.check("glm5_next_text", "Glm5NextTextModel", seconds=120)
+    assert row["built"], row
+    assert row.get("error") is None, row
+    assert not str(row["audit"]).startswith("FAILED"), row

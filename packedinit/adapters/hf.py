@@ -345,10 +345,12 @@ def _mla_attention(module: nn.Module) -> Mapping[str, Layout]:
     """
     r, rope = _int(module, "kv_lora_rank"), _int(module, "qk_rope_head_dim")
     nope, v = _int(module, "qk_nope_head_dim"), _int(module, "v_head_dim")
-    kv_a = Layout(0, [r, rope], names=("kv_latent", "k_rot"))
-    out: dict[str, Layout] = {"kv_a_proj_with_mqa.weight": kv_a, "kv_a_proj_with_mqa.bias": kv_a}
+    out: dict[str, Layout] = {}
+    if r > 0 and rope > 0:  # a config without the rotary part (GLM-5-Next: rope 0) splits off nothing
+        kv_a = Layout(0, [r, rope], names=("kv_latent", "k_rot"))
+        out = {"kv_a_proj_with_mqa.weight": kv_a, "kv_a_proj_with_mqa.bias": kv_a}
     kv_b = _tensor(module, "kv_b_proj.weight")
-    if kv_b is not None and kv_b.dim() == 2 and int(kv_b.shape[0]) % (nope + v) == 0:
+    if kv_b is not None and kv_b.dim() == 2 and nope > 0 and v > 0 and int(kv_b.shape[0]) % (nope + v) == 0:
         out["kv_b_proj.weight"] = Layout(0, [nope, v], groups=int(kv_b.shape[0]) // (nope + v), names=("k_nope", "v"))
     return _fit(module, out)
 
