@@ -1,4 +1,4 @@
-"""The package's shape: no `_private` name crosses a module boundary, no module grows past ~500 lines,
+"""The package's shape: no `_private` name crosses a module boundary, no module grows past 400 lines,
 and the layers of pyproject.toml's import-linter contract list every module (so a new one cannot skip them)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ else:  # pragma: no cover - Python 3.10
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "packedinit"
 MODULES = sorted(p for p in PKG.rglob("*.py"))
-MAX_LINES = 560
+MAX_LINES = 400
 
 
 def _imports(path: Path) -> list[tuple[int, str, str]]:
