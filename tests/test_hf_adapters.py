@@ -988,26 +988,9 @@ def test_dbrx_experts_blocks_are_each_experts_projections() -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-#: The transformers release the adapters' class paths were checked against (the sweep's). An older
-#: one (5.20 is the newest for Python 3.10) may not ship a newer family yet: that family is passed
-#: over there; on this release or newer a missing module is a failure (a typo in a class path).
-CHECKED_TRANSFORMERS = (5, 24)
 
 
-def _ships(module_name: str) -> bool:
-    import importlib.util
-
-    try:
-        if importlib.util.find_spec(module_name) is not None:
-            return True
-    except ModuleNotFoundError:  # the family's package itself is missing
-        pass
-    version = tuple(int(x) for x in transformers.__version__.split(".")[:2])
-    assert version < CHECKED_TRANSFORMERS, f"{module_name} is missing from transformers {transformers.__version__}"
-    return False
-
-
-def test_every_registered_transformers_class_path_exists() -> None:
+def test_every_registered_transformers_class_path_exists(ships: Callable[[str], bool]) -> None:
     """A typo in a class path would never match: every key must name a real nn.Module class."""
     import importlib
 
@@ -1015,7 +998,7 @@ def test_every_registered_transformers_class_path_exists() -> None:
     assert len(keys) >= 19
     for key in keys:
         module_name, _, qualname = key.rpartition(".")
-        if not _ships(module_name):
+        if not ships(module_name):
             continue
         cls = getattr(importlib.import_module(module_name), qualname)
         assert isinstance(cls, type)

@@ -29,25 +29,6 @@ from torch.overrides import TorchFunctionMode
 import packedinit
 from packedinit import Layout
 
-#: The transformers release the adapters' class paths were checked against (the sweep's). An older
-#: one (5.20 is the newest for Python 3.10) may not ship a newer family yet: that family is passed
-#: over there; on this release or newer a missing module is a failure (a typo in a class path).
-CHECKED_TRANSFORMERS = (5, 24)
-
-
-def _ships(module_name: str) -> bool:
-    import importlib.util
-
-    try:
-        if importlib.util.find_spec(module_name) is not None:
-            return True
-    except ModuleNotFoundError:  # the family's package itself is missing
-        pass
-    version = tuple(int(x) for x in transformers.__version__.split(".")[:2])
-    assert version < CHECKED_TRANSFORMERS, f"{module_name} is missing from transformers {transformers.__version__}"
-    return False
-
-
 B, S, VOCAB = 2, 5, 64
 TOKENS: dict[str, Any] = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0)
 _SPLITS = frozenset({torch.split, Tensor.split, torch.chunk, Tensor.chunk, Tensor.split_with_sizes})
@@ -351,7 +332,7 @@ _LINES = {
 
 
 @pytest.mark.parametrize("adapter", list(_LINES))
-def test_registered_copies_share_the_forward_lines(adapter: str) -> None:
+def test_registered_copies_share_the_forward_lines(adapter: str, ships: Callable[[str], bool]) -> None:
     """Each class the MLA / Mamba-2 adapter is registered for has the split lines of the families proven above."""
     from packedinit.adapters import hf
 
@@ -361,7 +342,7 @@ def test_registered_copies_share_the_forward_lines(adapter: str) -> None:
     for path in paths:
         assert isinstance(path, str)
         mod, _, cls = path.rpartition(".")
-        if not _ships(mod):
+        if not ships(mod):
             continue
         source = re.sub(r"\s+", " ", inspect.getsource(getattr(importlib.import_module(mod), cls)))
         for line in _LINES[adapter]:
