@@ -132,7 +132,11 @@ def test_fsdp2_flow_page_script_runs_on_two_gloo_ranks(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), *MODELS]
     run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    # torch 2.13's gloo aborts at interpreter exit about once in 30 runs, after destroy_process_group
+    # ("terminate called without an active exception", tests/_dist_worker.py): that abort, and only it,
+    # after every rank printed all its records, is not a failure of the page's script
+    shutdown_abort = "terminate called without an active exception" in run.stderr
+    assert run.returncode == 0 or shutdown_abort, run.stdout[-2000:] + run.stderr[-4000:]
     # the two ranks share one stdout: lines may interleave, so match each record, not whole lines
     found = re.findall(r"rank (\d): (\w+): every parameter finite: (\w+), loss (-?\d+\.\d{4}|nan|inf)", run.stdout)
     assert sorted((r, n) for r, n, _, _ in found) == sorted((r, n) for r in "01" for n in MODELS)
