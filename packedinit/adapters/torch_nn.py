@@ -74,11 +74,18 @@ def multihead_attention_layouts(module: nn.Module) -> dict[str, Layout]:
         return {}
     qkv = Layout(0, (e, e, e), names=QKV)
     out: dict[str, Layout] = {}
-    if mha_in_proj_packed(m) and m.in_proj_weight is not None:
+    own = _held(m)  # never evaluates a parametrized tensor (orthogonal on meta cannot be)
+    if mha_in_proj_packed(m) and "in_proj_weight" in own:
         out["in_proj_weight"] = qkv
-    if m.in_proj_bias is not None:
+    if "in_proj_bias" in own:
         out["in_proj_bias"] = qkv
     return out
+
+
+def _held(m: nn.Module) -> set[str]:
+    """The names of ``m``'s own tensors that are set: Parameters that are not ``None``, parametrized ones."""
+    held = module_dict(m).get("parametrizations")
+    return {n for n, p in param_dict(m).items() if p is not None} | set(module_dict(held) if held is not None else {})
 
 
 def gate_names(module: nn.Module) -> tuple[str, ...]:
@@ -142,8 +149,7 @@ def _gate_params(m: nn.RNNBase | nn.RNNCellBase, names: list[str]) -> list[str]:
     Only what torch itself creates is claimed: a subclass's extra Parameter (a learned ``h0``,
     a gain) is one block, as any other parameter; ``weight_hr*`` (``proj_size``) is one matrix.
     """
-    held = module_dict(m).get("parametrizations")
-    own = {*param_dict(m), *(module_dict(held) if held is not None else {})}
+    own = _held(m)
     return [n for n in names if n in own and not n.startswith("weight_hr")]
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from packedinit.errors import PackedInitError
+from packedinit.errors import PackedInitError, packed_error
 from packedinit.torch_compat import (
     WEIGHT_NORM_G,
     WEIGHT_NORM_V,
@@ -152,11 +152,44 @@ def _meta_kind(plist: nn.Module, compute: Callable[[], Tensor]) -> tuple[tuple[i
                     store[n] = nn.Parameter(meta, requires_grad=t.requires_grad) if is_param else meta
                     swapped.append((store, n, t))
     try:
-        value = compute()
+        try:
+            value = compute()
+        except PackedInitError:
+            raise
+        except Exception as e:  # a parametrization that cannot be evaluated as it stands
+            known = _untrivialized_orthogonal(plist)
+            if known is not None:
+                return known
+            names = " -> ".join(type(p).__name__ for p in plist.children())
+            raise packed_error(
+                f"a parametrized tensor ({names}, originals of shapes "
+                f"{[tuple(o.shape) for o in _originals(plist)]}) cannot be evaluated to find its shape: "
+                f"{type(e).__name__}: {e}. Fix: register the parametrization after the module is materialised and "
+                f"initialised (torch.nn.utils.parametrize.register_parametrization on real tensors), or make it "
+                f"evaluable on meta tensors.",
+                e,
+            ) from e
         return tuple(value.shape), value.dtype
     finally:
         for store, n, t in swapped:
             store[n] = t
+
+
+def _untrivialized_orthogonal(plist: nn.Module) -> tuple[tuple[int, ...], torch.dtype] | None:
+    """Shape and dtype of an ``orthogonal`` parametrization registered on meta (its ``base`` is ``None``).
+
+    ``parametrizations.orthogonal`` on a meta tensor leaves the trivialization's ``base`` unset,
+    so the forward fails until ``right_inverse`` sets it; the tensor has the original's shape
+    and dtype (checked on torch 2.13.0), and writing through ``right_inverse`` sets ``base``.
+    """
+    layers = list(plist.children())
+    originals = _originals(plist)
+    if len(layers) != 1 or len(originals) != 1 or type(layers[0]).__name__ != "_Orthogonal":
+        return None
+    p = layers[0]
+    if "base" not in buffer_dict(p) or buffer_dict(p)["base"] is not None:
+        return None
+    return tuple(originals[0].shape), originals[0].dtype
 
 
 @contextlib.contextmanager

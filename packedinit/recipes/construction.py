@@ -35,7 +35,18 @@ __all__ = ["Deferred", "deferred"]
 
 #: Frames whose init calls ``reset_parameters`` already replays: torch's init methods and transformers'
 #: ``post_init`` chain (a plain model's own ``self.apply(self._init_weights)`` in ``__init__`` is recorded).
-_INIT_METHODS = frozenset({"reset_parameters", RESET_METHOD, "_initialize_weights", "initialize_weights", "post_init"})
+#: The registration of a parametrization is one too: torch's own ``set_`` on the original, written through
+#: ``right_inverse`` by ``reset_parameters``.
+_INIT_METHODS = frozenset(
+    {
+        "reset_parameters",
+        RESET_METHOD,
+        "_initialize_weights",
+        "initialize_weights",
+        "post_init",
+        "register_parametrization",
+    }
+)
 
 
 @dataclass
