@@ -24,6 +24,7 @@ from torch import nn
 
 from packedinit.errors import PackedInitError
 from packedinit.layout import Layout
+from packedinit.model.parametrized import weight_norm_hooks
 from packedinit.model.registry import Adapter
 from packedinit.torch_compat import mha_in_proj_packed, module_dict, param_dict, rnn_weight_names
 
@@ -85,7 +86,9 @@ def multihead_attention_layouts(module: nn.Module) -> dict[str, Layout]:
 def _held(m: nn.Module) -> set[str]:
     """The names of ``m``'s own tensors that are set: Parameters that are not ``None``, parametrized ones."""
     held = module_dict(m).get("parametrizations")
-    return {n for n, p in param_dict(m).items() if p is not None} | set(module_dict(held) if held is not None else {})
+    hooked = {h.name for h in weight_norm_hooks(m)}  # torch's old weight_norm: computed from name_g, name_v
+    own = {n for n, p in param_dict(m).items() if p is not None}
+    return own | hooked | set(module_dict(held) if held is not None else {})
 
 
 def gate_names(module: nn.Module) -> tuple[str, ...]:

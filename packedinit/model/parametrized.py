@@ -62,6 +62,29 @@ def weight_norm_hooks(m: nn.Module) -> list[Any]:
     return [h for h in forward_pre_hooks(m).values() if type(h).__name__ == "WeightNorm" and hasattr(h, "name")]
 
 
+def hook_v_g(m: nn.Module, name: str) -> tuple[Tensor, Tensor, Any] | None:
+    """``(v, g, hook)`` when ``m.<name>`` is computed by a ``torch.nn.utils.weight_norm`` hook, else None."""
+    for h in weight_norm_hooks(m):
+        if h.name == name:
+            v, g = param_dict(m).get(name + WEIGHT_NORM_V), param_dict(m).get(name + WEIGHT_NORM_G)
+            if isinstance(v, Tensor) and isinstance(g, Tensor):
+                return v, g, h
+    return None
+
+
+def renorm_hooked(m: nn.Module, v: Tensor) -> None:
+    """After ``v`` of a ``weight_norm`` hook on ``m`` was written: ``g = ||v||``, so ``m.<name>`` is ``v`` (as
+    ``unparametrized`` and the parametrization's ``right_inverse`` leave it); the cached weight too."""
+    for h in weight_norm_hooks(m):
+        found = hook_v_g(m, h.name)
+        if found is None or found[0] is not v or v.is_meta:
+            continue
+        with torch.no_grad():
+            found[1].copy_(torch.norm_except_dim(v, 2, h.dim))
+            if isinstance(m.__dict__.get(h.name), Tensor):
+                m.__dict__[h.name] = h.compute_weight(m)
+
+
 def _originals(plist: Any) -> list[Tensor]:
     if getattr(plist, "is_tensor", False):
         return [plist.original]
