@@ -112,8 +112,8 @@ class Deferred:
                 "construction.bind(model) while the model is still on meta, or use construction.materialize(model, "
                 "device=...), which binds, materialises and replays."
             )
-        lost = [getattr(fn, "__name__", fn) for key, fn, _ in self.calls if self.names.get(key, None) is not None
-                and self.names[key] not in by_name]  # fmt: skip
+        bound = [(self.names.get(key), fn) for key, fn, _ in self.calls]
+        lost = [getattr(fn, "__name__", fn) for name, fn in bound if name is not None and name not in by_name]
         if lost:
             raise PackedInitError(
                 f"deferred().replay: {len(lost)} init call(s) made during construction ({', '.join(map(str, lost))}) "
