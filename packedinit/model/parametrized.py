@@ -33,6 +33,7 @@ from packedinit.torch_compat import (
     buffer_dict,
     forward_pre_hooks,
     module_dict,
+    orthogonal_without_base,
     param_dict,
     spectral_norm_vectors,
     spectral_power_method,
@@ -207,10 +208,7 @@ def _untrivialized_orthogonal(plist: nn.Module) -> tuple[tuple[int, ...], torch.
     """
     layers = list(plist.children())
     originals = _originals(plist)
-    if len(layers) != 1 or len(originals) != 1 or type(layers[0]).__name__ != "_Orthogonal":
-        return None
-    p = layers[0]
-    if "base" not in buffer_dict(p) or buffer_dict(p)["base"] is not None:
+    if len(layers) != 1 or len(originals) != 1 or not orthogonal_without_base(layers[0]):
         return None
     return tuple(originals[0].shape), originals[0].dtype
 
