@@ -16,13 +16,13 @@ from typing import Any, Concatenate, ParamSpec, Protocol, overload
 from torch import Tensor, nn
 from torch.nn import init as _init
 
-from packedinit.engine.chunks import Chunks
+from packedinit.engine.chunks import Chunks, as_layout
 from packedinit.engine.lean import PLAIN_TYPES, TORCH, lean_call, route
 from packedinit.engine.plan import InitSpec, Request
 from packedinit.engine.run import run
 from packedinit.engine.traits import base, hashable_in
 from packedinit.errors import PackedInitError
-from packedinit.layout import Layout, is_int
+from packedinit.layout import Layout, fmt_shape, is_int
 from packedinit.model.held import init_held
 from packedinit.model.marks import param_claim
 from packedinit.model.walk import apply_ancestors, module_call
@@ -79,6 +79,42 @@ def _refuse_held(tensor: Tensor, init_fn: object) -> None:
         f"initialising it per block with explicit chunks would leave the parametrized weight (and its other "
         f"originals) wrong. Nothing was written. Fix: init the module instead: packedinit.chunked({name})(module), "
         f"or call packedinit.chunked({name})(original) without chunks (its annotation gives the layout)."
+    )
+
+
+def _blocks(layout: Layout | None, ndim: int) -> tuple[object, ...]:
+    """What decides the blocks (names aside); one block for ``None`` and one-part layouts."""
+    if layout is None or (layout.num_parts == 1 and layout.groups == 1 and layout.batch_dims == 0):
+        return ("one block",)
+    return (layout.normalized_dim(ndim), layout.sizes, layout.groups, layout.transposed, layout.batch_dims)
+
+
+def _refuse_contradiction(tensor: Tensor, chunks: Chunks | None, dim: int | None, init_fn: object) -> None:
+    """Raise before any write when explicit ``chunks``/``dim`` give other blocks than the layout ``tensor`` is known by.
+
+    Known: an annotation (:func:`packedinit.annotate`, which also records an adapter's layout)
+    on the module holding the Parameter ``tensor`` now. Chunks that give the same blocks
+    (block names aside) pass, as does an explicit one block (``chunks=1``: the whole tensor, on
+    purpose) and anything on a tensor with no known packed layout.
+
+    Raises:
+        PackedInitError: the explicit blocks differ from the known ones; the message names
+            both and how to override deliberately (annotate the layout you mean).
+    """
+    if not isinstance(tensor, nn.Parameter):
+        return
+    known = param_claim(tensor)[0]
+    if known is None or _blocks(known, tensor.dim()) == ("one block",):
+        return
+    given = as_layout(chunks, dim, tuple(tensor.shape))
+    if _blocks(given, tensor.dim()) in (_blocks(known, tensor.dim()), ("one block",)):
+        return  # the known blocks, or an explicit one block (chunks=1): the whole tensor on purpose
+    name = getattr(init_fn, "__name__", "f")
+    raise PackedInitError(
+        f"parameter of shape {fmt_shape(tensor.shape)} is known to be packed as {known!r} (annotated), but the "
+        f"explicit chunks give {given!r}: other blocks. Nothing was written. Fix: drop the chunks to init per "
+        f"known block (packedinit.chunked({name})(param)); to use other blocks on purpose, annotate them first "
+        f"(packedinit.annotate(module, <name>=Layout(...))), or pass the tensor's .data, which carries no layout."
     )
 
 
@@ -154,6 +190,7 @@ def chunked_init(
             return tensor  # an original of a packed parametrized tensor: written through the parametrization
     elif chunks is not None or dim is not None:
         _refuse_held(tensor, init_fn)
+        _refuse_contradiction(tensor, chunks, dim, init_fn)  # before any write: other blocks than the known ones
     plain = chunks is None and dim is None and type(tensor) in PLAIN_TYPES
     if plain and route(tensor, init_fn, args, init_kwargs, first=True) == TORCH:
         lean_call(tensor, init_fn, args, init_kwargs)  # type: ignore[arg-type]  # route: a torch.nn.init function
@@ -260,6 +297,7 @@ def chunked(
             return None
         if not unset:
             _refuse_held(target, init_fn)
+            _refuse_contradiction(target, chunks, dim, init_fn)
         run(Request(target, chunks, dim, init_fn, args, kwargs))
         return target
 

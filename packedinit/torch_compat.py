@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "RESET_METHOD",
+    "orthogonal_without_base",
     "TORCH_WRAPPER_CHILDREN",
     "WEIGHT_NORM_G",
     "WEIGHT_NORM_V",
@@ -139,7 +140,6 @@ def forward_pre_hooks(m: nn.Module) -> dict[int, Any]:
     lists a module's registered hooks nowhere else).
     """
     return m._forward_pre_hooks
-
 
 
 def is_lazy(m: nn.Module) -> bool:
@@ -284,3 +284,16 @@ def apply_ancestors(module: nn.Module, depth: int = 1) -> list[nn.Module] | None
 #: and activation checkpointing's ``CheckpointWrapper`` (``_checkpoint_wrapped_module``). Checked on
 #: torch 2.6.0, 2.13.0 and 2.15.0. No public fallback: the wrappers expose no accessor for the child.
 TORCH_WRAPPER_CHILDREN = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+# -- parametrizations.orthogonal on meta ------------------------------------------------------------
+def orthogonal_without_base(p: object) -> bool:
+    """Whether ``p`` is torch's ``_Orthogonal`` parametrization whose trivialization ``base`` is unset (``None``).
+
+    ``parametrizations.orthogonal`` registered on a meta tensor leaves ``base`` as ``None`` until
+    ``right_inverse`` sets it: checked on 2.13.0 (the class name ``_Orthogonal`` and the ``base``
+    buffer exist since torch 1.10). No public fallback: torch exposes no other way to tell.
+    """
+    if type(p).__name__ != "_Orthogonal" or not isinstance(p, nn.Module):
+        return False
+    return "base" in p._buffers and p._buffers["base"] is None

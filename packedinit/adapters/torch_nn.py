@@ -24,6 +24,7 @@ from torch import nn
 
 from packedinit.errors import PackedInitError
 from packedinit.layout import Layout
+from packedinit.model.parametrized import weight_norm_hooks
 from packedinit.model.registry import Adapter
 from packedinit.torch_compat import mha_in_proj_packed, module_dict, param_dict, rnn_weight_names
 
@@ -74,11 +75,20 @@ def multihead_attention_layouts(module: nn.Module) -> dict[str, Layout]:
         return {}
     qkv = Layout(0, (e, e, e), names=QKV)
     out: dict[str, Layout] = {}
-    if mha_in_proj_packed(m) and m.in_proj_weight is not None:
+    own = _held(m)  # never evaluates a parametrized tensor (orthogonal on meta cannot be)
+    if mha_in_proj_packed(m) and "in_proj_weight" in own:
         out["in_proj_weight"] = qkv
-    if m.in_proj_bias is not None:
+    if "in_proj_bias" in own:
         out["in_proj_bias"] = qkv
     return out
+
+
+def _held(m: nn.Module) -> set[str]:
+    """The names of ``m``'s own tensors that are set: Parameters that are not ``None``, parametrized ones."""
+    held = module_dict(m).get("parametrizations")
+    hooked = {h.name for h in weight_norm_hooks(m)}  # torch's old weight_norm: computed from name_g, name_v
+    own = {n for n, p in param_dict(m).items() if p is not None}
+    return own | hooked | set(module_dict(held) if held is not None else {})
 
 
 def gate_names(module: nn.Module) -> tuple[str, ...]:
@@ -142,8 +152,7 @@ def _gate_params(m: nn.RNNBase | nn.RNNCellBase, names: list[str]) -> list[str]:
     Only what torch itself creates is claimed: a subclass's extra Parameter (a learned ``h0``,
     a gain) is one block, as any other parameter; ``weight_hr*`` (``proj_size``) is one matrix.
     """
-    held = module_dict(m).get("parametrizations")
-    own = {*param_dict(m), *(module_dict(held) if held is not None else {})}
+    own = _held(m)
     return [n for n in names if n in own and not n.startswith("weight_hr")]
 
 

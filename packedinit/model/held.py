@@ -14,7 +14,15 @@ from torch import Tensor, nn
 
 from packedinit.layout import Layout
 from packedinit.model.marks import annotations_of
-from packedinit.model.parametrized import is_holder, originals_of, stand_in, write_through
+from packedinit.model.parametrized import (
+    hook_v_g,
+    is_holder,
+    originals_of,
+    renorm_hooked,
+    stand_in,
+    weight_norm_hooks,
+    write_through,
+)
 from packedinit.model.steps import plan_steps, run_steps
 
 __all__ = ["Entry", "Swap", "through_parametrizations", "init_held", "write_entries"]
@@ -22,6 +30,7 @@ __all__ = ["Entry", "Swap", "through_parametrizations", "init_held", "write_entr
 Entry: TypeAlias = tuple[str, Tensor, Layout | None]
 #: A packed parametrized tensor: its ``ParametrizationList`` and the plain stand-in initialised per block.
 Swap: TypeAlias = tuple[nn.Module, Tensor]
+
 
 def through_parametrizations(
     modules: Iterable[nn.Module], entries: Sequence[Entry], init_fn: object
@@ -37,13 +46,21 @@ def through_parametrizations(
     never sees them, so the draws are those of that loop. An original annotated with a
     layout of its own shape, other than the tensor's, is initialised as it is.
     """
+    modules = list(modules)
     holders = [m for m in modules if is_holder(m)]
-    if not holders:
+    hooked = [m for m in modules if weight_norm_hooks(m)]
+    if not holders and not hooked:
         return list(entries), []
     layout_of = {id(p): lay for _, p, lay in entries}
     swapped: dict[int, Tensor] = {}
     dropped: set[int] = set()
     swaps: list[Swap] = []
+    for m in hooked:  # torch's old weight_norm hook: v per block, then g = ||v|| (what right_inverse does)
+        for h in weight_norm_hooks(m):
+            found = hook_v_g(m, h.name)
+            if found is not None and layout_of.get(id(found[0])) is not None:
+                dropped.add(id(found[1]))
+                swaps.append((m, found[0]))
     for holder in holders:
         held = originals_of(holder)
         packed = [t for t in held if layout_of.get(id(t)) is not None]
@@ -77,7 +94,10 @@ def write_entries(
     """Plan every entry (stand-ins included), write them, then write each stand-in through its parametrization."""
     run_steps(plan_steps(entries, init_fn, args, kwargs))
     for holder, standin in swaps:
-        write_through(holder, standin)
+        if is_holder(holder):
+            write_through(holder, standin)
+        else:  # a weight_norm hook's v, written in place: its g follows
+            renorm_hooked(holder, standin)
 
 
 def init_held(
@@ -98,9 +118,7 @@ def init_held(
     """
     anns = annotations_of(holder)
     prefix = type(holder).__name__
-    entries = [
-        (f"{prefix}.{n}", t, anns.get(n) if lays is None else lays.get(id(t))) for n, t in _leaves(holder)
-    ]
+    entries = [(f"{prefix}.{n}", t, anns.get(n) if lays is None else lays.get(id(t))) for n, t in _leaves(holder)]
     out, swaps = through_parametrizations((holder,), entries, init_fn)
     if not swaps or any(t is p for _, t, _ in out):
         return False  # p is initialised as it is

@@ -51,7 +51,9 @@ class _Annotations(dict[str, Layout | None]):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Annotations | dict[str, Layout | None]:
         new_owner = memo.get(self.owner_id)
-        if not isinstance(new_owner, nn.Module):  # copied on its own, not as part of its module
+        if not isinstance(new_owner, nn.Module):  # a shallow copy of the owner (copy.copy) shares this record
+            new_owner = _being_copied(memo)
+        if new_owner is None:  # copied on its own, not as part of its module
             return dict(self)
         copied = _Annotations(self, new_owner)
         _register(new_owner)
@@ -64,6 +66,19 @@ class _Annotations(dict[str, Layout | None]):
         if owner is None:
             return (dict, (dict(self),))
         return (_revive, (dict(self), owner))
+
+
+def _being_copied(memo: dict[int, Any]) -> nn.Module | None:
+    """The module whose state ``copy.deepcopy`` is copying now, or None.
+
+    ``deepcopy`` puts a module's new, empty instance in ``memo`` before it copies the state (the
+    ``__dict__`` holding this record), and a module's children come before the record in its
+    ``__dict__``; so it is the latest module in ``memo`` that has no state yet.
+    """
+    for value in reversed(memo.values()):
+        if isinstance(value, nn.Module) and not value.__dict__:
+            return value
+    return None
 
 
 def _revive(items: Mapping[str, Layout | None], owner: nn.Module) -> _Annotations:

@@ -26,13 +26,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from packedinit.errors import PackedInitError
+from packedinit.errors import PackedInitError, packed_error
 from packedinit.torch_compat import (
     WEIGHT_NORM_G,
     WEIGHT_NORM_V,
     buffer_dict,
     forward_pre_hooks,
     module_dict,
+    orthogonal_without_base,
     param_dict,
     spectral_norm_vectors,
     spectral_power_method,
@@ -60,6 +61,29 @@ def is_parametrized(m: nn.Module) -> bool:
 def weight_norm_hooks(m: nn.Module) -> list[Any]:
     """The deprecated ``torch.nn.utils.weight_norm`` hooks on ``m`` (each holds ``name`` and ``dim``)."""
     return [h for h in forward_pre_hooks(m).values() if type(h).__name__ == "WeightNorm" and hasattr(h, "name")]
+
+
+def hook_v_g(m: nn.Module, name: str) -> tuple[Tensor, Tensor, Any] | None:
+    """``(v, g, hook)`` when ``m.<name>`` is computed by a ``torch.nn.utils.weight_norm`` hook, else None."""
+    for h in weight_norm_hooks(m):
+        if h.name == name:
+            v, g = param_dict(m).get(name + WEIGHT_NORM_V), param_dict(m).get(name + WEIGHT_NORM_G)
+            if isinstance(v, Tensor) and isinstance(g, Tensor):
+                return v, g, h
+    return None
+
+
+def renorm_hooked(m: nn.Module, v: Tensor) -> None:
+    """After ``v`` of a ``weight_norm`` hook on ``m`` was written: ``g = ||v||``, so ``m.<name>`` is ``v`` (as
+    ``unparametrized`` and the parametrization's ``right_inverse`` leave it); the cached weight too."""
+    for h in weight_norm_hooks(m):
+        found = hook_v_g(m, h.name)
+        if found is None or found[0] is not v or v.is_meta:
+            continue
+        with torch.no_grad():
+            found[1].copy_(torch.norm_except_dim(v, 2, h.dim))
+            if isinstance(m.__dict__.get(h.name), Tensor):
+                m.__dict__[h.name] = h.compute_weight(m)
 
 
 def _originals(plist: Any) -> list[Tensor]:
@@ -152,11 +176,41 @@ def _meta_kind(plist: nn.Module, compute: Callable[[], Tensor]) -> tuple[tuple[i
                     store[n] = nn.Parameter(meta, requires_grad=t.requires_grad) if is_param else meta
                     swapped.append((store, n, t))
     try:
-        value = compute()
+        try:
+            value = compute()
+        except PackedInitError:
+            raise
+        except Exception as e:  # a parametrization that cannot be evaluated as it stands
+            known = _untrivialized_orthogonal(plist)
+            if known is not None:
+                return known
+            names = " -> ".join(type(p).__name__ for p in plist.children())
+            raise packed_error(
+                f"a parametrized tensor ({names}, originals of shapes "
+                f"{[tuple(o.shape) for o in _originals(plist)]}) cannot be evaluated to find its shape: "
+                f"{type(e).__name__}: {e}. Fix: register the parametrization after the module is materialised and "
+                f"initialised (torch.nn.utils.parametrize.register_parametrization on real tensors), or make it "
+                f"evaluable on meta tensors.",
+                e,
+            ) from e
         return tuple(value.shape), value.dtype
     finally:
         for store, n, t in swapped:
             store[n] = t
+
+
+def _untrivialized_orthogonal(plist: nn.Module) -> tuple[tuple[int, ...], torch.dtype] | None:
+    """Shape and dtype of an ``orthogonal`` parametrization registered on meta (its ``base`` is ``None``).
+
+    ``parametrizations.orthogonal`` on a meta tensor leaves the trivialization's ``base`` unset,
+    so the forward fails until ``right_inverse`` sets it; the tensor has the original's shape
+    and dtype (checked on torch 2.13.0), and writing through ``right_inverse`` sets ``base``.
+    """
+    layers = list(plist.children())
+    originals = _originals(plist)
+    if len(layers) != 1 or len(originals) != 1 or not orthogonal_without_base(layers[0]):
+        return None
+    return tuple(originals[0].shape), originals[0].dtype
 
 
 @contextlib.contextmanager

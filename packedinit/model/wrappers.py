@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from packedinit.model.parametrized import parametrized_original
-from packedinit.torch_compat import TORCH_WRAPPER_CHILDREN, module_dict, param_dict
+from packedinit.model.parametrized import hook_v_g, parametrized_original
+from packedinit.torch_compat import TORCH_WRAPPER_CHILDREN, WEIGHT_NORM_V, module_dict, param_dict
 
 __all__ = ["Found", "find", "missing", "WRAPPER_CHILDREN"]
 
@@ -99,6 +99,10 @@ def find(module: nn.Module, name: str) -> Found | None:
         owner = sub
         done.append(part)
     while leaf not in param_dict(owner):
+        hooked = hook_v_g(owner, leaf)
+        if hooked is not None:  # torch's old weight_norm hook: the blocks are v's (g is one norm per row)
+            path = ".".join([*done, leaf + WEIGHT_NORM_V])
+            return Found(owner, leaf + WEIGHT_NORM_V, hooked[0], path, (*via, f"weight_norm hook of {leaf!r}"))
         plist = module_dict(owner).get("parametrizations")
         if plist is not None and leaf in module_dict(plist):
             held = module_dict(plist)[leaf]

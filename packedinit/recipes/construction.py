@@ -28,15 +28,24 @@ from packedinit.errors import PackedInitError
 from packedinit.model.claims import layouts
 from packedinit.model.ties import to_empty
 from packedinit.recipes.coverage import storage_key
-from packedinit.recipes.reset import reset_parameters
+from packedinit.recipes.reset import reset_keeping
 from packedinit.torch_compat import RESET_METHOD, TorchDispatchMode, caller_frame, written_args
 
 __all__ = ["Deferred", "deferred"]
 
 #: Frames whose init calls ``reset_parameters`` already replays: torch's init methods and transformers'
 #: ``post_init`` chain (a plain model's own ``self.apply(self._init_weights)`` in ``__init__`` is recorded).
+#: The registration of a parametrization is one too: torch's own ``set_`` on the original, written through
+#: ``right_inverse`` by ``reset_parameters``.
 _INIT_METHODS = frozenset(
-    {"reset_parameters", RESET_METHOD, "_initialize_weights", "initialize_weights", "post_init"}
+    {
+        "reset_parameters",
+        RESET_METHOD,
+        "_initialize_weights",
+        "initialize_weights",
+        "post_init",
+        "register_parametrization",
+    }
 )
 
 
@@ -48,30 +57,84 @@ class Deferred:
     names: dict[int, str] = field(default_factory=dict)
     #: storage key -> the ops that wrote it in place outside torch.nn.init and init methods (cannot be replayed)
     other_writes: dict[int, set[str]] = field(default_factory=dict)
+    #: the recorded calls on tensors that are no parameter or buffer of the bound model (a scratch tensor,
+    #: a sub-module replaced later): dead writes, not replayed (``"xavier_uniform_ on a (3, 3) tensor"``)
+    dead: list[str] = field(default_factory=list)
+    #: the meta tensors recorded, kept alive so that no later tensor reuses their storage key
+    held: list[Tensor] = field(default_factory=list, repr=False)
+    shapes: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
+    bound: bool = False
 
     def bind(self, model: nn.Module) -> None:
         """Name the recorded tensors by the model's parameter and buffer names (while it is still on meta:
-        :meth:`materialize` does it before ``to_empty``)."""
+        :meth:`materialize` does it before ``to_empty``); the calls on other tensors are dead writes."""
         for n, t in (*model.named_parameters(), *model.named_buffers()):
             self.names.setdefault(storage_key(t), n)
+        self.dead = [
+            f"{getattr(fn, '__name__', fn)} on a {self.shapes.get(key, ())} tensor"
+            for key, fn, _ in self.calls
+            if key not in self.names
+        ]
+        self.bound = True
 
     def materialize(self, model: nn.Module, *, device: torch.device | str | int | None) -> list[str]:
-        """``to_empty`` (ties kept), ``reset_parameters``, then :meth:`replay`; the names the replay wrote."""
+        """``to_empty`` (ties kept), ``reset_parameters``, then :meth:`replay`; the names the replay wrote.
+
+        Parameters and buffers that are not on meta (parts built outside the block) keep their
+        values: their own init is not run, and the values are copied onto ``device``. Every check
+        (what no init covers, an init that would write both kept and new tensors) runs first.
+        """
         self.bind(model)
-        to_empty(model, device=device)
-        reset_parameters(model)
+        before = dict((*model.named_parameters(), *model.named_buffers()))
+        kept_names = [n for n, t in before.items() if not t.is_meta]
+        filled = {self.names[key] for key, _, _ in self.calls if key in self.names}
+        reset_keeping(
+            model,
+            keep=[before[n] for n in kept_names],
+            filled=[t for n, t in before.items() if n in filled],
+            check_only=True,
+        )
+        self._check_names(before)
+        with torch.no_grad():
+            values = {n: before[n].detach() for n in kept_names}
+            del before
+            to_empty(model, device=device)
+            after = dict((*model.named_parameters(), *model.named_buffers()))
+            for n, value in values.items():
+                after[n].copy_(value)
+        reset_keeping(model, keep=[after[n] for n in kept_names], filled=[t for n, t in after.items() if n in filled])
         return self.replay(model)
+
+    def _check_names(self, by_name: dict[str, Tensor]) -> None:
+        if not self.bound:
+            raise PackedInitError(
+                "deferred().replay: the recorded calls are not bound to the model's names; call "
+                "construction.bind(model) while the model is still on meta, or use construction.materialize(model, "
+                "device=...), which binds, materialises and replays."
+            )
+        bound = [(self.names.get(key), fn) for key, fn, _ in self.calls]
+        lost = [getattr(fn, "__name__", fn) for name, fn in bound if name is not None and name not in by_name]
+        if lost:
+            raise PackedInitError(
+                f"deferred().replay: {len(lost)} init call(s) made during construction ({', '.join(map(str, lost))}) "
+                f"wrote tensors that were bound to names the model no longer has; nothing was written. Fix: replay "
+                f"on the model the construction built, before replacing its parts."
+            )
 
     def replay(self, model: nn.Module) -> list[str]:
         """Run the recorded calls again on ``model``'s tensors, in order, packed ones per block; the names written.
 
-        Call it after ``to_empty`` and ``reset_parameters`` (which fills everything else).
+        Call it after :meth:`bind` (on meta), ``to_empty`` and ``reset_parameters`` (which fills
+        everything else). Calls on tensors that were no parameter or buffer at :meth:`bind` (a
+        scratch tensor, a sub-module replaced later) are dead writes: listed in :attr:`dead`,
+        not replayed.
 
         Raises:
-            PackedInitError: a recorded call wrote a tensor that is no parameter or buffer
-                of ``model`` (nothing is written then).
+            PackedInitError: not bound, or a recorded call's tensor is no longer a parameter
+                or buffer of ``model`` (nothing is written then).
         """
         by_name = dict((*model.named_parameters(), *model.named_buffers()))
+        self._check_names(by_name)
         unreplayable = {self.names[k]: ops for k, ops in self.other_writes.items() if self.names.get(k) in by_name}
         if unreplayable:
             warnings.warn(
@@ -83,16 +146,11 @@ class Deferred:
                 stacklevel=2,
             )
         known = layouts(model)
-        lost = [getattr(fn, "__name__", fn) for key, fn, _ in self.calls if self.names.get(key) not in by_name]
-        if lost:
-            raise PackedInitError(
-                f"deferred().replay: {len(lost)} init call(s) made during construction ({', '.join(map(str, lost))}) "
-                f"wrote tensors that are no parameter or buffer of {type(model).__name__}; nothing was written. "
-                f"Fix: give the module that makes them a reset_parameters() method."
-            )
         done: list[str] = []
         for key, fn, kwargs in self.calls:
-            name = self.names[key]
+            name = self.names.get(key)
+            if name is None:
+                continue  # a dead write (see bind)
             run(Request(by_name[name], known.get(name), None, fn, (), dict(kwargs), name))
             done.append(name)
         return done
@@ -133,7 +191,10 @@ def deferred() -> Iterator[Deferred]:
                 if depth[0] == 1 and isinstance(t, Tensor) and t.is_meta and not _inside_init_method(frame):
                     fn = codes[frame.f_code]
                     kwargs = {k: v for k, v in frame.f_locals.items() if k != "tensor"}
-                    found.calls.append((storage_key(t), fn, kwargs))
+                    key = storage_key(t)
+                    found.calls.append((key, fn, kwargs))
+                    found.held.append(t)
+                    found.shapes[key] = tuple(t.shape)
             elif event == "return":
                 depth[0] -= 1
         if before is not None:
@@ -142,7 +203,7 @@ def deferred() -> Iterator[Deferred]:
 
     sys.setprofile(hook)
     try:
-        with torch.device("meta"), _OtherWrites(found.other_writes, depth):
+        with torch.device("meta"), _OtherWrites(found.other_writes, depth, found.held):
             yield found
     finally:
         sys.setprofile(before)
@@ -151,10 +212,11 @@ def deferred() -> Iterator[Deferred]:
 class _OtherWrites(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves __init_subclass__ untyped
     """Records in-place writes to meta tensors made outside init functions and init methods."""
 
-    def __init__(self, into: dict[int, set[str]], depth: list[int]) -> None:
+    def __init__(self, into: dict[int, set[str]], depth: list[int], held: list[Tensor]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch leaves __init__ untyped
         self.into = into
         self.depth = depth
+        self.held = held
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -164,6 +226,7 @@ class _OtherWrites(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             for value in written_args(func, args, kwargs):
                 if isinstance(value, Tensor) and value.is_meta and not _inside_init_method(caller_frame()):
                     self.into.setdefault(storage_key(value), set()).add(str(func.overloadpacket.__name__))
+                    self.held.append(value)  # no later tensor reuses its key
         return func(*args, **kwargs)
 
 

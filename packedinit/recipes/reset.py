@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -45,7 +45,7 @@ from packedinit.torch_compat import (
     private_reset,
 )
 
-__all__ = ["reset_parameters", "check_generator"]
+__all__ = ["reset_parameters", "reset_keeping", "check_generator"]
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -243,15 +243,40 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
     """
     if not isinstance(module, nn.Module):
         raise PackedInitError(f"reset_parameters(module) needs an nn.Module, got {type(module).__name__}.")
+    reset_keeping(module, generator=generator, strict=strict)
+
+
+def reset_keeping(
+    module: nn.Module,
+    *,
+    generator: torch.Generator | None = None,
+    strict: bool = True,
+    keep: Collection[Tensor] = (),
+    filled: Collection[Tensor] = (),
+    check_only: bool = False,
+) -> None:
+    """:func:`reset_parameters`, leaving the tensors in ``keep`` as they are and counting ``filled`` as covered.
+
+    ``keep``: tensors whose values must stay (parts of a model built outside
+    :func:`packedinit.deferred`): the init steps that write only them are skipped; a step that
+    would write one of them together with others is refused before any write.
+    ``filled``: tensors the caller fills afterwards (the recorded construction calls), so
+    they are no "uncovered" error. ``check_only``: every check, no write.
+    """
     gen = check_generator(generator, "reset_parameters")
     retie(module)
+    kept = {id(t) for t in keep}
     steps = _dry_run_all(module, _plan(module, gen))
-    covered = {id(t) for step in steps for t in (step.covers or ())}
+    if kept:
+        steps = _without_kept(module, steps, kept)
+    covered = {id(t) for step in steps for t in (step.covers or ())} | kept | {id(t) for t in filled}
     message = uncovered_message(module, covered)
     if message is not None:
         if strict:
             raise PackedInitError(message)
-        warnings.warn(message.replace(" or pass strict=False to initialise everything else and", " or"), stacklevel=2)
+        warnings.warn(message.replace(" or pass strict=False to initialise everything else and", " or"), stacklevel=3)
+    if check_only:
+        return
     holders = tensor_holders(module)
     later = later_holders(module)  # a tie's later holder (nanoGPT's lm_head) did not init the shared tensor
     with hf_flags_cleared(module), init_calls.acquire(module):  # the model's own init calls: packed ones per block
@@ -264,6 +289,28 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
                 if step.route and gen is not None:
                     stack.enter_context(generator_as_default(gen))  # under packedinit.engine.rng.LOCK
                 step.run()
+
+
+def _without_kept(module: nn.Module, steps: list[_Step], kept: set[int]) -> list[_Step]:
+    """The steps that write no kept tensor; one that writes kept and other tensors is refused."""
+    names = {id(t): n for n, t in (*module.named_parameters(), *module.named_buffers())}
+    out: list[_Step] = []
+    for step in steps:
+        covers = list(step.covers or ())
+        hit = [t for t in covers if id(t) in kept]
+        if not hit:
+            out.append(step)
+        elif len(hit) < len(covers):
+            ours = [names.get(id(t), "?") for t in hit]
+            theirs = [names.get(id(t), "?") for t in covers if id(t) not in kept]
+            raise PackedInitError(
+                f"materialize({type(module).__name__}): the init of {type(step.module).__name__} writes "
+                f"{', '.join(map(repr, ours))} (built outside packedinit.deferred(), with values to keep) together "
+                f"with {', '.join(map(repr, theirs))} (built inside, on meta); running it would overwrite the "
+                f"former, so nothing was written. Fix: build that module wholly inside the deferred() block, or "
+                f"wholly outside it."
+            )
+    return out
 
 
 def _check_routable(m: nn.Module, gen: torch.Generator, tensors: list[Tensor]) -> None:

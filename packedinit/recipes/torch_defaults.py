@@ -18,6 +18,12 @@ Parameter packedinit knows to be packed runs per block; every other call is torc
 Nothing else changes: same draws from the global RNG, in the same order, as torch's
 methods, so every other parameter of a module built under the fix is bit-identical to
 the one torch builds from the same seed.
+
+The replaced methods run torch's own bodies, with the module's packed parameters known to
+the init calls: the init functions those bodies call are looked up where torch bound them,
+at call time, so a caller's guard is respected (transformers' ``guard_torch_init_functions``
+skips what a load flagged ``_is_hf_initialized``; ``no_init_weights`` makes every call a
+no-op): loading under the fix never changes a loaded value.
 """
 
 from __future__ import annotations
@@ -32,7 +38,6 @@ from torch import nn
 
 from packedinit.errors import PackedInitError
 from packedinit.recipes import init_calls
-from packedinit.recipes.replays import reset_multihead_attention, reset_transformer
 from packedinit.torch_compat import RESET_METHOD
 
 __all__ = ["TorchDefaultsFix", "fix_torch_defaults", "torch_defaults_fixed"]
@@ -48,10 +53,24 @@ _active = 0
 _saved: dict[type[nn.Module], Callable[[nn.Module], None]] = {}
 
 
+def _through_bound_functions(m: nn.Module, cls: type[nn.Module]) -> None:
+    """torch's own ``_reset_parameters`` of ``cls`` on ``m``, with ``m``'s packed parameters known to the init calls.
+
+    torch's method calls the init functions bound in its own file (``torch.nn.modules.activation``,
+    ``.transformer``) at call time, so whoever patched them is respected: transformers'
+    ``guard_torch_init_functions`` skips the tensors a load flagged ``_is_hf_initialized``,
+    ``no_init_weights`` makes every call a no-op. Where they are torch's, they are
+    :mod:`~packedinit.recipes.init_calls`' wrappers (the fix holds the interception), and the
+    wrappers run per block on the parameters of ``m`` known to be packed (``in_proj_weight``).
+    """
+    with init_calls.acquire(m):
+        _saved[cls](m)
+
+
 def _mha_reset_parameters(self: nn.MultiheadAttention) -> None:
     """``MultiheadAttention._reset_parameters``, replaced by ``packedinit.fix_torch_defaults()``: q, k, v per block."""
     if getattr(type(self), _METHOD) is _mha_reset_parameters:
-        reset_multihead_attention(self)
+        _through_bound_functions(self, nn.MultiheadAttention)
     else:  # reached through super() from a subclass's own method, written against torch's
         _saved[nn.MultiheadAttention](self)
 
@@ -59,7 +78,7 @@ def _mha_reset_parameters(self: nn.MultiheadAttention) -> None:
 def _transformer_reset_parameters(self: nn.Transformer) -> None:
     """``Transformer._reset_parameters``, replaced by ``packedinit.fix_torch_defaults()``: packed matrices per block."""
     if getattr(type(self), _METHOD) is _transformer_reset_parameters:
-        reset_transformer(self)
+        _through_bound_functions(self, nn.Transformer)
     else:  # reached through super() from a subclass's own method, written against torch's
         _saved[nn.Transformer](self)
 
@@ -203,6 +222,10 @@ def fix_torch_defaults(*models: nn.Module) -> TorchDefaultsFix:
     - **Modules built outside the fix** are untouched; modules built under it keep
       their values after it is undone. Only construction (and explicit calls of
       ``_reset_parameters``) is affected.
+    - **Loading keeps loaded values** (``from_pretrained``, ``load_state_dict``,
+      ``torch.load``, safetensors, accelerate's empty weights): torch's own bodies run
+      through the init functions bound at call time, so transformers' guards
+      (``_is_hf_initialized``, ``no_init_weights``) are respected.
     - **Subclasses** that define their own ``_reset_parameters`` are respected: theirs
       runs, and a ``super()._reset_parameters()`` call in it reaches torch's own method.
       Subclasses that do not define one get the per-block version.
