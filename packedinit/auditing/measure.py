@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from packedinit.auditing.records import BlockAudit, ParamAudit, Suspect, compact
 from packedinit.auditing.report import AuditReport, render
+from packedinit.auditing.shards import local_fans
 from packedinit.auditing.stats import (
     DEFAULT_REFERENCES,
     TOL_FLOOR,
@@ -229,8 +230,9 @@ def audit(
         context=context,
         modules=modules,
     )
-    if lazy:
-        report = dataclasses.replace(report, lazy=lazy)
+    shards = local_fans(model, references)
+    if lazy or shards:
+        report = dataclasses.replace(report, lazy=lazy, local_fans=shards)
     if not found:
         return report
     guessed = audit_tensors(
@@ -244,4 +246,5 @@ def audit(
         model=report.model,
         suspects=sus,
         lazy=lazy,
+        local_fans=shards,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import textwrap
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from packedinit.auditing.records import ParamAudit, Suspect, compact, json_safe
+from packedinit.auditing.shards import LocalFans
 from packedinit.auditing.stats import DEFAULT_REFERENCES, TOL_FLOOR, Reference, Z
 from packedinit.auditing.verdict import UNDECIDED_ALIKE
 from packedinit.shapes import fmt_shape
@@ -65,6 +67,8 @@ class AuditReport:
         tolerance_floor: the smallest relative tolerance.
         suspects: parameters nobody described that look packed (see :class:`Suspect`).
         lazy: parameters of lazy modules (``nn.LazyLinear``) not yet materialised: skipped.
+        local_fans: sharded weights whose init used the fans of the local shard (see
+            :func:`packedinit.auditing.shards.local_fans`): "fans from a local shard".
     """
 
     params: tuple[ParamAudit, ...]
@@ -75,6 +79,7 @@ class AuditReport:
     tolerance_floor: float = TOL_FLOOR
     suspects: tuple[Suspect, ...] = ()
     lazy: tuple[str, ...] = ()
+    local_fans: tuple[LocalFans, ...] = ()
     _by_name: Mapping[str, ParamAudit] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -170,6 +175,9 @@ class AuditReport:
         """
         hit = self.affected
         looks = [s for s in self.suspects if not s.affected]
+        if self.local_fans:  # the packed parameters' answer follows the local shards' one
+            rest = dataclasses.replace(self, local_fans=()).answer()
+            return f"{_shard_head(self.local_fans)}; packed parameters: {rest}"
         tail = ""
         nf = self.non_finite
         if nf:
@@ -237,6 +245,20 @@ class AuditReport:
                     },
                     "params": [p.to_dict() for p in self.params],
                     "suspects": [s.to_dict() for s in self.suspects],
+                    "local_fans": [
+                        {
+                            "name": f.name,
+                            "shape": list(f.shape),
+                            "local_shape": list(f.local_shape),
+                            "sharding": f.sharding,
+                            "reference": f.reference,
+                            "std": f.std,
+                            "expected": f.expected,
+                            "predicted_ratio": f.predicted_ratio,
+                            "measured_ratio": f.measured_ratio,
+                        }
+                        for f in self.local_fans
+                    ],
                 }
             )
         )
@@ -247,6 +269,15 @@ class AuditReport:
 
     def __str__(self) -> str:
         return render(self)
+
+
+def _shard_head(found: tuple[LocalFans, ...]) -> str:
+    """The answer's words for weights initialised with the fans of a local shard."""
+    each = ", ".join(f"{f.name} {f.predicted_ratio:.2f}x" for f in found[:3]) + (" ..." if len(found) > 3 else "")
+    return (
+        f"affected: fans from a local shard: {len(found)} sharded weight(s) drawn with their shard's fans ({each} "
+        f"the logical per-block std); fix: run the init under packedinit.fix_torch_defaults(model)"
+    )
 
 
 def _names(names: tuple[str, ...]) -> str:
@@ -319,6 +350,10 @@ def render(report: AuditReport, *, reference: str | None = None) -> str:
             lines.append(f"  {s.name}  {fmt_shape(s.audit.shape)}: {s.why}; guessed [{compact(s.layout)}]")
             lines.append(f"    init in use: {s.audit.detail} -> {state}")
             lines.append(f"    {s.annotate}")
+    if report.local_fans:
+        lines.append("")
+        lines.append("fans from a local shard (the init read the shard's shape, not the weight's):")
+        lines.extend(f"  {f.describe()}" for f in report.local_fans)
     lines.append("")
     answer = textwrap.fill(
         f"answer: {report.answer()}", width=118, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False

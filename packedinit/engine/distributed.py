@@ -43,7 +43,7 @@ from packedinit.torch_compat import buffer_dict, custom_shard_order, param_dict
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["global_params", "init_dtensor", "plan_dtensor", "write_planned", "DTensorPlan", "ShardSink"]
+__all__ = ["global_params", "init_dtensor", "local_ranges", "plan_dtensor", "write_planned", "DTensorPlan", "ShardSink"]
 
 
 def init_dtensor(req: Request, scratch: Scratch | None = None) -> None:
@@ -111,7 +111,7 @@ def plan_dtensor(req: Request) -> DTensorPlan:
     meta = torch.empty(shape, dtype=tensor.dtype, device="meta")
     plan = make_plan(dataclasses.replace(req, tensor=meta))
     where = plan.where() if plan is not None else _where(param, shape)
-    ranges = _local_ranges(tensor, where)
+    ranges = local_ranges(tensor, where)
     with torch.no_grad():
         local = tensor.to_local()
     _check_local(tensor, local, ranges, where)
@@ -134,7 +134,7 @@ def _where(param: str | None, shape: Sequence[int]) -> str:
     return str(Where(param, shape))
 
 
-def _local_ranges(tensor: DTensor, where: str) -> list[range] | None:
+def local_ranges(tensor: DTensor, where: str) -> list[range] | None:
     """Global index range, per tensor dim, of this rank's local shard; ``None`` off the mesh.
 
     Follows ``Shard``'s ``torch.chunk`` semantics (chunks of ``ceil(n / k)``, the last
@@ -195,14 +195,17 @@ class ShardSink:
     Every block that draws random numbers is generated in full (in block order, so the RNG
     stream advances as in one process); blocks whose function draws nothing are generated
     only when they intersect the shard. ``ranges=None`` (a rank outside the mesh) writes
-    nothing but still advances the RNG.
+    nothing but still advances the RNG. ``pieces`` (views of ``local`` with their global
+    ranges) replace ``(local, ranges)`` where the shard is several boxes of the tensor.
     """
 
-    __slots__ = ("device", "local", "ranges")
+    __slots__ = ("device", "local", "pieces")
 
-    def __init__(self, local: Tensor, ranges: Sequence[range] | None) -> None:
+    def __init__(
+        self, local: Tensor, ranges: Sequence[range] | None, pieces: Sequence[tuple[Tensor, Sequence[range]]] = ()
+    ) -> None:
         self.local = local
-        self.ranges = ranges
+        self.pieces = list(pieces) if pieces else ([] if ranges is None else [(local, ranges)])
         self.device = local.device
 
     def backup(self) -> Tensor:
@@ -221,8 +224,8 @@ class ShardSink:
         return False  # every block is generated in a scratch buffer, then its local part copied
 
     def write(self, plan: Plan, block: LogicalBlock, fn: Callable[..., Tensor], scratch: Scratch) -> None:
-        target = None if self.ranges is None else _block_target(plan, block, self.local, self.ranges)
-        if target is None and not plan.draws(fn):
+        targets = [t for v, r in self.pieces if (t := _block_target(plan, block, v, r)) is not None]
+        if not targets and not plan.draws(fn):
             return  # draws nothing: no need to generate what this rank does not hold
         if stored_order(plan.layout, fn, plan.direct[block.index]):  # as the local engine draws it
             stored = scratch.get(stored_shape(block), plan.dtype, self.local.device)
@@ -231,7 +234,7 @@ class ShardSink:
         else:
             buf = scratch.get(block.shape, plan.dtype, self.local.device)
             fill_block(plan, block, fn, buf)
-        if target is not None:
+        for target in targets:
             _copy(plan, block, buf, target)
 
 
@@ -346,7 +349,7 @@ def global_params(module: nn.Module) -> Iterator[None]:
         for name, t in store.items():
             if isinstance(t, DTensor):
                 where = _where(f"{type(module).__name__}.{name}", t.shape)
-                ranges = _local_ranges(t, where)
+                ranges = local_ranges(t, where)
                 with torch.no_grad():
                     local = t.to_local()
                 _check_local(t, local, ranges, where)

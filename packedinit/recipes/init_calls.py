@@ -52,14 +52,17 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from packedinit.engine.plan import Request
+from packedinit.engine.distributed import local_ranges
+from packedinit.engine.plan import Request, Where
 from packedinit.engine.run import run
+from packedinit.engine.shards import init_shard
 from packedinit.layout import Layout
 from packedinit.model.claims import resolve
 from packedinit.model.held import init_held
 from packedinit.model.marks import param_claim, param_layout
 from packedinit.model.parametrized import is_holder, originals_of
 from packedinit.model.registry import lookup
+from packedinit.model.shards import dtensor_of, megatron_shard, note
 
 __all__ = ["FAN_FNS", "Interception", "acquire", "intercepting", "packed_layout", "original"]
 
@@ -153,6 +156,8 @@ def _wrapper(name: str, torch_fn: Callable[..., Tensor]) -> Callable[..., Tensor
         held = _held(tensor) if _active > 0 else None
         if held is not None and init_held(held[0], tensor, torch_fn, args, kwargs, held[1]):
             return tensor  # an original of a packed parametrized tensor: written through the parametrization
+        if _active > 0 and _on_local_shard(tensor, torch_fn, args, kwargs):
+            return tensor  # a local shard: the global logical blocks' fans
         found = packed_layout(tensor) if _active > 0 else None
         if found is None:
             return torch_fn(tensor, *args, **kwargs)
@@ -165,11 +170,34 @@ def _wrapper(name: str, torch_fn: Callable[..., Tensor]) -> Callable[..., Tensor
     return per_block_if_packed
 
 
+def _on_local_shard(tensor: Tensor, torch_fn: Callable[..., Tensor], args: Any, kwargs: Any) -> bool:
+    """Fill ``tensor`` per global logical block when it is a local shard (see :mod:`packedinit.model.shards`)."""
+    owner = dtensor_of(tensor)
+    if owner is not None:
+        shape = tuple(owner.shape)
+        found = packed_layout(owner)
+        ranges = local_ranges(owner, str(Where(found[0] if found else None, shape)))
+        pieces = [] if ranges is None else [(tensor, ranges)]
+    else:
+        geo = megatron_shard(tensor)
+        if geo is None:
+            return False
+        shape, found = geo.global_shape, packed_layout(tensor)
+        pieces = list(geo.pieces(tensor))
+    if found is None and pieces and tuple(tensor.shape) == shape:
+        return False  # the whole parameter (Replicate, one rank): torch's own call
+    name, layout = found if found is not None else (None, None)
+    init_shard(Request(tensor, layout, None, torch_fn, tuple(args), kwargs, name), shape, pieces)
+    return True
+
+
 #: One wrapper per function, made once: code that bound a wrapper keeps a working (pass-through) one.
 _WRAPPERS: dict[str, Callable[..., Tensor]] = {name: _wrapper(name, fn) for name, fn in _TORCH.items()}
 
 
 def _on_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    if _active > 0:
+        note(param)  # a DTensor parameter (parallelize_module): its local tensor is a shard
     if _active > 0 and param is not None and lookup(type(module)) is not None:
         with _lock:
             _built[param] = (weakref.ref(module), name)
@@ -226,6 +254,8 @@ class Interception:
             scope, held = WeakIdKeyDictionary(), WeakIdKeyDictionary()
             for model in models:
                 lays: dict[int, Layout | None] = {}
+                for q in model.parameters():
+                    note(q)
                 for n, p, layout in resolve(model):
                     lays[id(p)] = layout
                     if layout is not None and layout.num_parts > 1:
