@@ -116,6 +116,10 @@ def _orthonormal(local: Tensor, gain: float) -> bool:
     return bool(torch.allclose(gram, eye, atol=1e-3 * gain * gain))
 
 
+def _gain(r: Reference) -> float:
+    return float(dict(r.kwargs).get("gain", 1.0))
+
+
 def _fits(std: float, expected: float | None, tol: float) -> bool:
     return expected is not None and expected > 0 and abs(math.log(std / expected)) <= tol
 
@@ -157,17 +161,17 @@ def local_fans(model: nn.Module, references: Sequence[Reference] = DEFAULT_REFER
             continue
         tol = tolerance(m.n, m.kurtosis)
         local_shape = tuple(local.shape)
-        if any(_fits(m.std, r.std(shape), tol) for r in references):
+        if len(local_shape) < 2:
+            continue
+        # orthonormal rows (or columns) of the shard tell an orthogonal_ run on the shard from i.i.d. draws
+        # (a shard of an orthogonal_ run on the whole weight is not orthonormal itself)
+        ortho = {r.name: _orthonormal(local, _gain(r)) for r in references if r.fn == "orthogonal_"}
+        on_shard = any(ortho.values())
+        if any(_fits(m.std, r.std(shape), tol) for r in references if not on_shard or ortho.get(r.name, False)):
             continue  # fits some init on the logical shape: nothing to say
         best: tuple[float, Reference, float, float] | None = None
-        ortho: dict[float, bool] = {}
         for r in references:
-            if r.fan_independent or len(local_shape) < 2:
-                continue
-            gain = float(dict(r.kwargs).get("gain", 1.0)) if r.fn == "orthogonal_" else 1.0
-            if gain not in ortho:
-                ortho[gain] = _orthonormal(local, gain)
-            if ortho[gain] != (r.fn == "orthogonal_"):  # orthonormal rows tell orthogonal_ from i.i.d. draws
+            if r.fan_independent or ortho.get(r.name, False) != on_shard:
                 continue
             g, loc = r.std(shape), r.std(local_shape)
             if g is None or loc is None or abs(math.log(loc / g)) <= tol or not _fits(m.std, loc, tol):
