@@ -112,6 +112,28 @@ def one_case(world: int, rank: int, style: str, way: str, fn: str, kwargs: dict[
     return {"value": full.detach().numpy().copy(), "ratios": np.array(ratios), "answer": np.array(answer)}
 
 
+def records() -> dict[str, np.ndarray]:
+    """The DTensor records of :mod:`packedinit.model.shards`: exact (the local tensor, not a part of it) and weak."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from packedinit.model import shards
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    p = nn.Parameter(distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)]))
+    shards.note(p)
+    local = p._local_tensor
+    found, part = shards.dtensor_of(local) is p, shards.dtensor_of(local[:1]) is None
+    ref = weakref.ref(p)
+    del p
+    gc.collect()
+    return {"records|flags": np.array([found, part, ref() is None, shards.dtensor_of(local) is None])}
+
+
 def main() -> None:
     import torch.distributed as dist
 
@@ -130,6 +152,7 @@ def main() -> None:
         for style, way, name, fn, kw in cases:
             for k, v in run(world, rank, style, way, fn, kw).items():
                 out[f"{style}|{way}|{name}|{k}"] = v
+        out.update(records())
         dist.barrier()
         dist.destroy_process_group()
         tmp = out_file + ".part.npz"

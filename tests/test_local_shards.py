@@ -286,3 +286,12 @@ def test_dtensor_and_megatron_shards_on_gloo(world: int, tmp_path_factory: pytes
                     assert p == pytest.approx(predicted, rel=1e-9), key
                     assert m == pytest.approx(predicted, rel=0.01), key
                     assert f"weight {predicted:.2f}x" in str(r[f"{key}|answer"]), key
+
+
+
+@needs_dist
+def test_dtensor_records_are_weak_and_exact(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A noted DTensor parameter is not kept alive; only its own local tensor (same view) is its shard."""
+    for world in (1, 2):
+        for rank in _runs(world, tmp_path_factory):
+            assert rank["records|flags"].tolist() == [True, True, True, True], world

@@ -20,6 +20,7 @@ Two kinds are recognised:
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import weakref
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MegatronShard", "dtensor_of", "megatron_shard", "note", "is_dtensor"]
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a record's weakref callback may run while it is held
 #: Storage address of a DTensor parameter's local tensor -> the parameters (weakly) whose local tensor lives there.
 _seen: dict[int, list[weakref.ref[DTensor]]] = {}
 
@@ -70,8 +71,18 @@ def note(p: object) -> None:
     with _lock:
         refs = [r for r in _seen.get(ptr, []) if r() is not None]
         if not any(r() is p for r in refs):
-            refs.append(weakref.ref(p))
+            refs.append(weakref.ref(p, functools.partial(_forget, ptr)))
         _seen[ptr] = refs
+
+
+def _forget(ptr: int, ref: weakref.ref[DTensor]) -> None:
+    """A noted parameter was freed: drop its record."""
+    with _lock:
+        refs = [r for r in _seen.get(ptr, []) if r is not ref and r() is not None]
+        if refs:
+            _seen[ptr] = refs
+        else:
+            _seen.pop(ptr, None)
 
 
 def dtensor_of(t: object) -> DTensor | None:

@@ -16,6 +16,13 @@ be packed, and is torch's own function, called as it was called, otherwise:
   entries are replaced while the fix is on; transformers' ``guard_torch_init_functions``
   patches over ours and calls through that table, so it is covered too.
 
+Handed a local shard instead (the local tensor of a DTensor parameter the fix knows, a
+Megatron-style shard: :mod:`packedinit.model.shards`), a fan-dependent function draws with the
+fans of the logical (global) weight, per logical block where it is packed
+(:func:`packedinit.engine.shards.init_shard`): the gathered weight is the single-process init at
+every tensor-parallel degree. A DTensor parameter is known when a module registers it while the
+fix is on (``parallelize_module``) or when its model is handed to :func:`acquire`.
+
 Not covered (nothing can see the call): a function object bound before the fix in a module
 packedinit does not know (``from torch.nn.init import xavier_uniform_`` at the top of your or a
 third-party file, a ``functools.partial`` or a list made before); a call on a tensor that is

@@ -203,9 +203,12 @@ def fix_torch_defaults(*models: nn.Module) -> TorchDefaultsFix:
       else it is torch's own call. Known to be packed: Parameters registered under the fix
       on a module with an adapter (MHA, LSTM/GRU/RNN and cells, registered adapters, also
       for an adapter's descendants), annotated Parameters, and the packed parameters of
-      ``models``. Not reached: a function bound before the fix in a module packedinit does
-      not know (``from torch.nn.init import xavier_uniform_``), a call on ``p.data`` (see
-      :mod:`packedinit.recipes.init_calls` and the docs).
+      ``models``. Handed a tensor-parallel local shard (a DTensor parameter's
+      ``_local_tensor`` / ``to_local()``, a Megatron-style shard), it uses the fans of the
+      logical weight's blocks (:mod:`packedinit.model.shards`). Not reached: a function bound
+      before the fix in a module packedinit does not know (``from torch.nn.init import
+      xavier_uniform_``), a call on ``p.data`` (see :mod:`packedinit.recipes.init_calls` and
+      the docs).
 
     The draws are torch's, in torch's order (tested on CPU, torch 2.13.0): every
     parameter other than the packed ones is bit-identical to torch's own construction
