@@ -112,6 +112,20 @@ def one_case(world: int, rank: int, style: str, way: str, fn: str, kwargs: dict[
     return {"value": full.detach().numpy().copy(), "ratios": np.array(ratios), "answer": np.array(answer)}
 
 
+def packed(world: int) -> dict[str, np.ndarray]:
+    """A fused q/k/v ``Linear(8, 24)`` (annotated: 3 blocks of 8 rows), sharded by rows: shards cut across blocks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    lin = packedinit.annotate(nn.Linear(8, 24, bias=False), weight=packedinit.Layout(0, [8, 8, 8]))
+    parallelize_module(lin, mesh, ColwiseParallel())
+    torch.manual_seed(SEED)
+    with packedinit.fix_torch_defaults(lin):
+        _init("xavier_uniform_", lin.weight._local_tensor, {})
+    return {"packed|value": lin.weight.full_tensor().detach().numpy().copy()}
+
+
 def records() -> dict[str, np.ndarray]:
     """The DTensor records of :mod:`packedinit.model.shards`: exact (the local tensor, not a part of it) and weak."""
     import gc
@@ -153,6 +167,7 @@ def main() -> None:
             for k, v in run(world, rank, style, way, fn, kw).items():
                 out[f"{style}|{way}|{name}|{k}"] = v
         out.update(records())
+        out.update(packed(world))
         dist.barrier()
         dist.destroy_process_group()
         tmp = out_file + ".part.npz"

@@ -295,3 +295,35 @@ def test_dtensor_records_are_weak_and_exact(tmp_path_factory: pytest.TempPathFac
     for world in (1, 2):
         for rank in _runs(world, tmp_path_factory):
             assert rank["records|flags"].tolist() == [True, True, True, True], world
+
+
+@needs_dist
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_packed_dtensor_shards_draw_per_logical_block(world: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A fused q/k/v weight sharded by rows (shards cut across q, k, v): each block with its own fans."""
+    torch.manual_seed(W.SEED)
+    ref = packedinit.chunked_init(torch.empty(24, 8), 3, 0, torch.nn.init.xavier_uniform_)
+    for rank in _runs(world, tmp_path_factory):
+        assert np.array_equal(rank["packed|value"], ref.numpy()), world
+
+
+def test_packed_shards_are_judged_against_the_logical_block() -> None:
+    """A fused q/k/v weight (192, 64): per block the logical std is sqrt(2 / 128), not the whole weight's."""
+    qkv = {"weight": packedinit.Layout(0, [64, 64, 64])}
+    m = nn.Module()
+    m.weight = _shard(2, 0, 0, shape=(192, 64))
+    torch.manual_seed(0)
+    torch.nn.init.xavier_uniform_(m.weight)  # the (96, 64) shard's fans
+    [found] = local_fans(m, layouts=qkv)
+    assert found.expected == pytest.approx(math.sqrt(2 / 128))
+    assert found.predicted_ratio == pytest.approx(math.sqrt(128 / 160))
+    assert f"{found.predicted_ratio:.2f}" == "0.89"
+    assert found.measured_ratio == pytest.approx(found.predicted_ratio, rel=0.01)
+    whole = packedinit.chunked_init(torch.empty(192, 64), 3, 0, torch.nn.init.xavier_uniform_)
+    with torch.no_grad():
+        m.weight.copy_(whole[:96])  # rank 0's rows of the per-block init of the whole weight
+    assert local_fans(m, layouts=qkv) == ()
+    m.weight = _shard(3, 0, 0, shape=(192, 64))  # one block per rank: the shard's fans are the block's
+    torch.manual_seed(0)
+    torch.nn.init.xavier_uniform_(m.weight)
+    assert local_fans(m, layouts=qkv) == ()

@@ -230,7 +230,7 @@ def audit(
         context=context,
         modules=modules,
     )
-    shards = local_fans(model, references)
+    shards = local_fans(model, references, layouts)
     if lazy or shards:
         report = dataclasses.replace(report, lazy=lazy, local_fans=shards)
     if not found:

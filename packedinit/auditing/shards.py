@@ -20,7 +20,7 @@ logical shape; fan-free inits (``normal_``, ``uniform_``, constants) are never f
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from packedinit.auditing.stats import DEFAULT_REFERENCES, KURT_VAR, Reference, Z, family_of, moments, tolerance
 from packedinit.errors import PackedInitError
+from packedinit.layout import Layout
 from packedinit.model.shards import is_dtensor, megatron_shard
 from packedinit.shapes import fmt_shape
 
@@ -116,6 +117,15 @@ def _orthonormal(local: Tensor, gain: float) -> bool:
     return bool(torch.allclose(gram, eye, atol=1e-3 * gain * gain))
 
 
+def _block_shape(layout: Layout, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The logical shape of every block of ``layout`` on ``shape``; ``None`` when they differ (or it does not fit)."""
+    try:
+        found = {tuple(b.shape) for b in layout.blocks(shape)}
+    except PackedInitError:
+        return None
+    return found.pop() if len(found) == 1 else None
+
+
 def _gain(r: Reference) -> float:
     return float(dict(r.kwargs).get("gain", 1.0))
 
@@ -124,12 +134,18 @@ def _fits(std: float, expected: float | None, tol: float) -> bool:
     return expected is not None and expected > 0 and abs(math.log(std / expected)) <= tol
 
 
-def local_fans(model: nn.Module, references: Sequence[Reference] = DEFAULT_REFERENCES) -> tuple[LocalFans, ...]:
+def local_fans(
+    model: nn.Module,
+    references: Sequence[Reference] = DEFAULT_REFERENCES,
+    layouts: Mapping[str, Layout] | None = None,
+) -> tuple[LocalFans, ...]:
     r"""The sharded weights of ``model`` (on this rank) whose init used the fans of the local shard.
 
     Args:
         model: the model; its DTensor and Megatron-style tensor-parallel parameters are tested.
         references: the inits to compare with (the fan-dependent ones can flag).
+        layouts: ``{name: Layout}`` of the packed parameters (the logical per-block shape is then a
+            block's; a packed weight with blocks of different shapes is not tested).
 
     Returns:
         One :class:`LocalFans` per flagged weight, in ``named_parameters`` order.
@@ -153,6 +169,10 @@ def local_fans(model: nn.Module, references: Sequence[Reference] = DEFAULT_REFER
         if geo is None:
             continue
         local, shape, how = geo
+        layout = (layouts or {}).get(name)
+        logical = _block_shape(layout, shape) if layout is not None else shape
+        if logical is None:
+            continue
         if local.is_meta or not local.is_floating_point() or local.numel() < MIN_VALUES:
             continue
         with torch.no_grad():
@@ -167,13 +187,13 @@ def local_fans(model: nn.Module, references: Sequence[Reference] = DEFAULT_REFER
         # (a shard of an orthogonal_ run on the whole weight is not orthonormal itself)
         ortho = {r.name: _orthonormal(local, _gain(r)) for r in references if r.fn == "orthogonal_"}
         on_shard = any(ortho.values())
-        if any(_fits(m.std, r.std(shape), tol) for r in references if not on_shard or ortho.get(r.name, False)):
+        if any(_fits(m.std, r.std(logical), tol) for r in references if not on_shard or ortho.get(r.name, False)):
             continue  # fits some init on the logical shape: nothing to say
         best: tuple[float, Reference, float, float] | None = None
         for r in references:
             if r.fan_independent or ortho.get(r.name, False) != on_shard:
                 continue
-            g, loc = r.std(shape), r.std(local_shape)
+            g, loc = r.std(logical), r.std(local_shape)
             if g is None or loc is None or abs(math.log(loc / g)) <= tol or not _fits(m.std, loc, tol):
                 continue
             if not _kurtosis_fits(r, local_shape, m.kurtosis, m.n):
