@@ -23,6 +23,9 @@ CALLS: dict[str, Callable[[Tensor], object]] = {
     "chunked(f, 3)(w)": lambda w: chunked(xavier_uniform_, 3)(w),
     "chunked(f)(w)": lambda w: chunked(xavier_uniform_)(w),
     "chunked(f, Layout)(w)": lambda w: chunked(kaiming_normal_, Layout(0, [8, 4]))(w, nonlinearity="relu"),
+    "chunked_init(experts, Layout(batch_dims=1), f)": lambda w: chunked_init(
+        w.view(3, 4, 4), Layout(1, [2, 2], batch_dims=1), init_fn=xavier_uniform_
+    ),
 }
 
 
