@@ -109,3 +109,15 @@ def test_figure_numbers_match_the_maths_and_the_page(tmp_path: Path) -> None:
             assert ", ".join(f"{r:.2f}" for r in case.before) in page
     path = figures.make_figure(tmp_path, 0)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+#: This project's own issue numbers ("issue 12", "issue23", "#17"); another project's (pytorch/pytorch#166378,
+#: a github.com/.../issues/N link) are references a reader can follow.
+_OWN_ISSUE = re.compile(r"\bissues? ?#?\d+|(?<![\w/])#\d+\b", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("path", ["README.md", *sorted(p.name for p in PAGES.glob("*.md"))])
+def test_user_docs_speak_of_no_internal_issue_numbers(path: str) -> None:
+    text = (ROOT / path if path == "README.md" else PAGES / path).read_text()
+    found = [m.group(0) for m in _OWN_ISSUE.finditer(text)]
+    assert not found, f"{path}: say what changed instead of {found[:5]}"
