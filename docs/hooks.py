@@ -21,6 +21,7 @@ _MATH = re.compile(r":math:<code>(.*?)</code>", re.DOTALL)
 _ARITHMATEX = re.compile(
     r'<(span|div) class="arithmatex">\s*(?:\\\(|\\\[)(.*?)(?:\\\)|\\\])\s*</\1>', re.DOTALL
 )
+_TEXT = re.compile(r"\\text\{[^{}]*\}")
 _ROLE = re.compile(r":(?:class|func|meth|data|attr|mod|obj|exc):<code>(~?)([^<]*)</code>")
 
 
@@ -35,6 +36,7 @@ def _xref(m: re.Match[str]) -> str:
 def _mathml(m: re.Match[str]) -> str:
     """One arithmatex span (inline) or div (display) as MathML."""
     tag, tex = m.group(1), htmllib.unescape(m.group(2)).strip()
+    tex = _TEXT.sub(lambda t: t.group(0).replace("\\_", "_"), tex)  # latex2mathml keeps "\_" in \text literally
     display = "block" if tag == "div" else "inline"
     return f'<{tag} class="arithmatex">{convert(tex, display=display)}</{tag}>'
 

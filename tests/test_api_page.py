@@ -244,6 +244,8 @@ def test_math_is_rendered_at_build_time(site: Path, page: str) -> None:
     spans = [n for n in root.walk() if "arithmatex" in n.classes]
     assert spans, page
     assert all(any(c.tag == "math" for c in n.children if isinstance(c, Node)) for n in spans), page
+    maths = [n for n in root.walk() if n.tag == "math"]
+    assert not [m.text() for m in maths if "\\" in m.text()], page  # no TeX escape (\_, \sqrt) left inside
     text = _visible_text(root)
     raw = re.findall(r"\\[(\[)\]]|:math:|\\(?:sqrt|frac|mathcal|kappa)\b", text)
     assert not raw, (page, raw[:5])
