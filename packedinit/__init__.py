@@ -15,7 +15,12 @@ from packedinit.api import ChunkedInit, chunked, chunked_init
 from packedinit.auditing.measure import AuditReport, BlockAudit, ParamAudit, Reference, audit
 from packedinit.engine.chunks import Chunks, logical_blocks
 from packedinit.engine.plan import InitFn, InitSpec
-from packedinit.errors import PackedInitError
+from packedinit.errors import (
+    PackedInitError,
+    PackedInitNotImplementedError,
+    PackedInitRuntimeError,
+    PackedInitTypeError,
+)
 from packedinit.layout import Layout, LogicalBlock
 from packedinit.model import registry as _registry
 from packedinit.model.claims import annotate, layouts
@@ -71,4 +76,8 @@ __all__ = [
     "ParamAudit",
     "BlockAudit",
     "Reference",
+    # error types (each also a PackedInitError)
+    "PackedInitTypeError",
+    "PackedInitRuntimeError",
+    "PackedInitNotImplementedError",
 ]

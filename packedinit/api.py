@@ -20,8 +20,8 @@ from packedinit.engine.chunks import Chunks, as_layout
 from packedinit.engine.lean import PLAIN_TYPES, TORCH, lean_call, route
 from packedinit.engine.plan import InitSpec, Request
 from packedinit.engine.run import run
-from packedinit.engine.traits import base, hashable_in
-from packedinit.errors import PackedInitError
+from packedinit.engine.traits import base, fn_name, hashable_in
+from packedinit.errors import PackedInitError, PackedInitTypeError
 from packedinit.layout import Layout, fmt_shape, is_int
 from packedinit.model.held import init_held
 from packedinit.model.marks import param_claim
@@ -118,6 +118,20 @@ def _refuse_contradiction(tensor: Tensor, chunks: Chunks | None, dim: int | None
     )
 
 
+_CHUNKED_INIT_SIG = "chunked_init(tensor, chunks=None, dim=None, init_fn=None, *args, **kwargs)"
+_CHUNKED_SIG = "chunked(init_fn, chunks=None, dim=None)(tensor_or_module, *args, **kwargs)"
+
+
+def _refuse_chunked_order(fn: object, *rest: object) -> None:
+    """``chunked_init(f, w, 3, 0)``: the arguments in ``chunked``'s order; name both signatures."""
+    got = ", ".join([fn_name(fn), *("tensor" if isinstance(r, Tensor) else repr(r) for r in rest if r is not None)])
+    raise PackedInitTypeError(
+        f"chunked_init({got}): the first argument is the function, as in chunked; chunked_init takes the tensor "
+        f"first. Signatures: {_CHUNKED_INIT_SIG}; {_CHUNKED_SIG}. Nothing was written. Fix: "
+        f"chunked_init(tensor, chunks, dim, {fn_name(fn)}) or chunked({fn_name(fn)}, chunks, dim)(tensor)."
+    )
+
+
 def chunked_init(
     tensor: Tensor,
     chunks: Chunks | None = None,
@@ -182,6 +196,8 @@ def chunked_init(
         ...
         packedinit.errors.PackedInitError: tensor of shape (10, 4): dim 0 has length 10, which 3 equal chunks ...
     """
+    if not isinstance(tensor, Tensor) and callable(tensor):
+        _refuse_chunked_order(tensor, chunks, dim, init_fn)
     if chunks is None and dim is None and isinstance(tensor, nn.Parameter):
         chunks, holder = param_claim(tensor)  # annotated by packedinit.annotate: per block
         if chunks is not None and _stacked_bias_left(tensor, chunks, init_fn):
@@ -269,6 +285,12 @@ def chunked(
         >>> init.__name__
         'xavier_uniform_'
     """
+    if isinstance(init_fn, Tensor):
+        raise PackedInitTypeError(
+            f"chunked(tensor, ...): chunked takes the init function first and returns a function to call on the "
+            f"tensor; chunked_init takes the tensor first. Signatures: {_CHUNKED_SIG}; {_CHUNKED_INIT_SIG}. "
+            f"Fix: chunked(f, chunks, dim)(tensor) or chunked_init(tensor, chunks, dim, f)."
+        )
     if not callable(init_fn):
         raise PackedInitError(f"chunked(init_fn=...) needs a function, got {type(init_fn).__name__}.")
     chunks = _check_chunks_arg(chunks, dim)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["PackedInitError", "packed_error"]
+__all__ = [
+    "PackedInitError",
+    "packed_error",
+    "PackedInitTypeError",
+    "PackedInitRuntimeError",
+    "PackedInitNotImplementedError",
+]
 
 
 class PackedInitError(ValueError):
@@ -36,7 +42,46 @@ class PackedInitError(ValueError):
     """
 
 
-_SUBCLASSES: dict[type[BaseException], type[PackedInitError]] = {}
+class PackedInitTypeError(PackedInitError, TypeError):
+    """A :class:`PackedInitError` that is also a :class:`TypeError`: a bad argument type or keyword.
+
+    Raised where torch raises ``TypeError`` (a gain that is not a number), for a keyword
+    neither packedinit nor the init function takes, and for arguments in another call's order.
+
+    Examples:
+        >>> import torch
+        >>> from packedinit import PackedInitTypeError, chunked_init
+        >>> try:
+        ...     chunked_init(torch.nn.init.xavier_uniform_, torch.empty(6, 2), 3, 0)
+        ... except PackedInitTypeError as e:
+        ...     print(isinstance(e, TypeError), isinstance(e, ValueError))
+        True True
+    """
+
+
+class PackedInitRuntimeError(PackedInitError, RuntimeError):
+    """A :class:`PackedInitError` that is also a :class:`RuntimeError` (in place of a torch kernel's error).
+
+    Examples:
+        >>> issubclass(PackedInitRuntimeError, RuntimeError), issubclass(PackedInitRuntimeError, PackedInitError)
+        (True, True)
+    """
+
+
+class PackedInitNotImplementedError(PackedInitError, NotImplementedError):
+    """A :class:`PackedInitError` that is also a :class:`NotImplementedError` (a dtype a torch kernel lacks).
+
+    Examples:
+        >>> issubclass(PackedInitNotImplementedError, RuntimeError)
+        True
+    """
+
+
+_SUBCLASSES: dict[type[BaseException], type[PackedInitError]] = {
+    TypeError: PackedInitTypeError,
+    RuntimeError: PackedInitRuntimeError,
+    NotImplementedError: PackedInitNotImplementedError,
+}
 
 
 def _subclass(cls: type[BaseException]) -> type[PackedInitError]:

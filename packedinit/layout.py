@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
-from functools import lru_cache
 
 import torch
 from torch import Tensor
 
 from packedinit.errors import PackedInitError
 from packedinit.shapes import LogicalBlock, fans, fmt_shape, is_int, where_prefix
+from packedinit.torch_compat import compile_safe_cache
 
 # fmt_shape, fans, is_int and where_prefix are defined in packedinit.shapes (also importable from here).
 __all__ = ["Layout", "LogicalBlock", "fmt_shape", "fans", "is_int", "where_prefix"]
@@ -317,7 +317,7 @@ def _split_dim(t: Tensor, d: int, a: int, b: int) -> Tensor:
     return t.view(*shape[:d], a, b, *shape[d + 1 :])
 
 
-@lru_cache(maxsize=4096)
+@compile_safe_cache(maxsize=4096)
 def _check(layout: Layout, shape: tuple[int, ...], param: str | None) -> None:
     ndim = len(shape)
     where = f"{where_prefix(param)}of shape {fmt_shape(shape)} with {layout!r}"
@@ -350,7 +350,7 @@ def _check(layout: Layout, shape: tuple[int, ...], param: str | None) -> None:
         )
 
 
-@lru_cache(maxsize=4096)
+@compile_safe_cache(maxsize=4096)
 def _blocks(layout: Layout, shape: tuple[int, ...], param: str | None) -> tuple[LogicalBlock, ...]:
     _check(layout, shape, param)
     ndim = len(shape)

@@ -12,10 +12,11 @@ Checked on: torch 2.6.0 (Python 3.10), 2.13.0 (Python 3.11) and 2.15.0 (Python 3
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +37,7 @@ __all__ = [
     "apply_ancestors",
     "buffer_dict",
     "caller_frame",
+    "compile_safe_cache",
     "custom_shard_order",
     "fill_padding_idx",
     "forward_pre_hooks",
@@ -52,6 +54,34 @@ __all__ = [
     "storage_id",
     "written_args",
 ]
+
+
+# -- caches under torch.compile ---------------------------------------------------------------------
+# torch.compiler.is_compiling (public since 2.3; checked on 2.6.0, 2.13.0, 2.15.0). Dynamo warns on every
+# call to an lru_cache-wrapped function it traces (and ignores the cache); an error under -W error.
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def compile_safe_cache(maxsize: int) -> Callable[[_F], _F]:
+    """``functools.lru_cache(maxsize)`` in eager code; the plain function while torch.compile traces.
+
+    Dynamo traces the function itself either way (it ignores an lru_cache and warns that it
+    does); calling the uncached function there keeps the trace free of that warning.
+    """
+
+    def wrap(fn: _F) -> _F:
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+        @functools.wraps(fn)
+        def call(*args: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return fn(*args)
+            return cached(*args)
+
+        return call  # type: ignore[return-value]  # same signature as fn
+
+    return wrap
 
 
 # -- grad mode -------------------------------------------------------------------------------------

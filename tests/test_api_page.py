@@ -1,4 +1,5 @@
-"""The API page as mkdocstrings renders it: every heading has words under it, and no object is documented twice.
+"""The built site: the API page as mkdocstrings renders it (every heading has words under it, no object documented
+twice), and every page self-contained (nothing loaded from another host, math rendered at build time).
 
 The site is built once with ``mkdocs build --strict`` (about 5 s) and the API page's HTML is read
 back: each documented object is a ``div.doc-object`` whose heading id is the object's path.
@@ -74,7 +75,8 @@ class _TreeBuilder(HTMLParser):
 
 
 @pytest.fixture(scope="module")
-def api_page(tmp_path_factory: pytest.TempPathFactory) -> Node:
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site built once (``mkdocs build --strict``) for this module's tests."""
     site = tmp_path_factory.mktemp("site")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_MKDOCS_2_WARNING": "1"}
     r = subprocess.run(
@@ -87,6 +89,17 @@ def api_page(tmp_path_factory: pytest.TempPathFactory) -> Node:
         check=False,
     )
     assert r.returncode == 0, r.stderr[-3000:]
+    return site
+
+
+def _parse(path: Path) -> Node:
+    builder = _TreeBuilder()
+    builder.feed(path.read_text())
+    return builder.root
+
+
+@pytest.fixture(scope="module")
+def api_page(site: Path) -> Node:
     builder = _TreeBuilder()
     builder.feed((site / "api" / "index.html").read_text())
     article = next(n for n in builder.root.walk() if n.tag == "article")
@@ -177,3 +190,62 @@ def test_every_public_name_is_on_the_page(api_page: Node) -> None:
         assert f"packedinit.cli.command.{name}" in ids
     for name in ("Target", "parse_target", "parse_init", "parse_seed", "build_target"):
         assert f"packedinit.cli.parse.{name}" in ids
+
+
+#: Tags whose ``src``/``href``/``data`` the browser loads (an ``<a href>`` is a link the reader may follow).
+_LOADED = {
+    "script": "src",
+    "link": "href",
+    "img": "src",
+    "source": "src",
+    "iframe": "src",
+    "video": "src",
+    "audio": "src",
+    "embed": "src",
+    "object": "data",
+    "track": "src",
+    "input": "src",
+}
+_EXTERNAL = re.compile(r"^\s*(?:[a-z][a-z0-9+.-]*:)?//", re.IGNORECASE)
+_CSS_URL = re.compile(r"""(?:url\(\s*["']?|@import\s+["'])\s*((?:[a-z][a-z0-9+.-]*:)?//[^"')\s]+)""", re.IGNORECASE)
+
+
+def test_the_site_loads_nothing_from_another_host(site: Path) -> None:
+    """No script, style, font, image or frame from another host: the site works with no network."""
+    pages = sorted(site.rglob("*.html"))
+    assert len(pages) >= 10
+    bad: list[str] = []
+    for page in pages:
+        for n in _parse(page).walk():
+            attr = _LOADED.get(n.tag)
+            for name in (attr, "srcset") if attr else ("srcset",):
+                value = n.attrs.get(name, "")
+                if any(_EXTERNAL.match(v.split()[0]) for v in value.split(",") if v.strip()):
+                    bad.append(f"{page.relative_to(site)}: <{n.tag} {name}={value!r}>")
+            if n.tag == "style" or "style" in n.attrs:
+                css = n.attrs.get("style", "") + " ".join(c for c in n.children if isinstance(c, str))
+                bad += [f"{page.relative_to(site)}: <{n.tag}> css {u}" for u in _CSS_URL.findall(css)]
+    for sheet in site.rglob("*.css"):
+        bad += [f"{sheet.relative_to(site)}: {u}" for u in _CSS_URL.findall(sheet.read_text(errors="replace"))]
+    assert not bad, bad
+
+
+def _visible_text(node: Node) -> str:
+    """Text outside code, pre and math: what the reader sees as prose."""
+    if node.tag in ("code", "pre", "math", "script", "style"):
+        return ""
+    return " ".join(c if isinstance(c, str) else _visible_text(c) for c in node.children)
+
+
+@pytest.mark.parametrize("page", ["index.html", "problem/index.html", "audit/index.html", "api/index.html"])
+def test_math_is_rendered_at_build_time(site: Path, page: str) -> None:
+    """Every formula is MathML in the HTML: no raw TeX left for a script from a CDN to typeset."""
+    root = _parse(site / page)
+    spans = [n for n in root.walk() if "arithmatex" in n.classes]
+    assert spans, page
+    assert all(any(c.tag == "math" for c in n.children if isinstance(c, Node)) for n in spans), page
+    maths = [n for n in root.walk() if n.tag == "math"]
+    assert not [m.text() for m in maths if "\\" in m.text()], page  # no TeX escape (\_, \sqrt) left inside
+    text = _visible_text(root)
+    raw = re.findall(r"\\[(\[)\]]|:math:|\\(?:sqrt|frac|mathcal|kappa)\b", text)
+    assert not raw, (page, raw[:5])

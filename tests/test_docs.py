@@ -143,3 +143,15 @@ def test_tp_fan_section_script_runs_on_two_gloo_ranks(tmp_path: Path) -> None:
     assert run.returncode == 0 or "terminate called without an active exception" in run.stderr, run.stderr[-3000:]
     shown = re.findall(r"```text\n(.*?)```", section, flags=re.DOTALL)[-1]
     assert shown.strip() in run.stdout
+
+
+#: This project's own issue numbers ("issue 12", "issue23", "#17"); another project's (pytorch/pytorch#166378,
+#: a github.com/.../issues/N link) are references a reader can follow.
+_OWN_ISSUE = re.compile(r"\bissues? ?#?\d+|(?<![\w/])#\d+\b", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("path", ["README.md", *sorted(p.name for p in PAGES.glob("*.md"))])
+def test_user_docs_speak_of_no_internal_issue_numbers(path: str) -> None:
+    text = (ROOT / path if path == "README.md" else PAGES / path).read_text()
+    found = [m.group(0) for m in _OWN_ISSUE.finditer(text)]
+    assert not found, f"{path}: say what changed instead of {found[:5]}"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import signal
 import sys
 import time
@@ -185,6 +186,59 @@ def check(model_type: str, class_name: str, seconds: int = 60) -> dict[str, Any]
     return row
 
 
+def _short(text: object, limit: int) -> str:
+    """``text`` cut at a word boundary to about ``limit`` characters (long cells would push the table wide)."""
+    text = " ".join(str(text).split()).replace("|", "/")
+    if len(text) <= limit:
+        return text
+    cut = text[:limit].rsplit(" ", 1)[0]
+    return cut.rstrip(",;:") + " ..."
+
+
+def _traced(r: dict[str, Any]) -> str:
+    if "traced" in r:
+        return f"yes, {r['traced']} weights"
+    trace = str(r.get("trace", r.get("error", "")))
+    if trace.startswith("not run: main input is "):
+        return f"no (input {trace.rsplit(' ', 1)[-1]})"
+    return "failed"
+
+
+def _packed(r: dict[str, Any]) -> str:
+    """Packed weights found, and where their layout came from (the adapters, the forward)."""
+    only_forward = [d.split(":", 1)[0] for d in r.get("disagree", []) if "no adapter or annotation" in d]
+    parts = []
+    if r.get("claimed"):
+        agree = ", the forward agrees" if r.get("packed_by_forward") and not r.get("disagree") else ""
+        parts.append(f"{r['claimed']} from adapters{agree}")
+    if only_forward:
+        names = ", ".join(f"`{n}`" for n in only_forward[:2]) + (
+            f" +{len(only_forward) - 2}" if len(only_forward) > 2 else ""
+        )
+        parts.append(f"{len(only_forward)} only from the forward (no adapter): {names}")
+    other = [d for d in r.get("disagree", []) if "no adapter or annotation" not in d]
+    if other:
+        parts.append(f"{len(other)} where adapters and forward disagree: {_short(other[0], 80)}")
+    return "; ".join(parts) or "none"
+
+
+def _why_not_clean(r: dict[str, Any]) -> str:
+    why = []
+    if r.get("reset", "ok") != "ok":
+        message = re.sub(r"^\w+: reset_parameters\([^)]*\): ", "", str(r["reset"]))
+        why.append("reset_parameters: " + _short(message, 110))
+    if str(r.get("audit", "")).startswith("FAILED"):
+        why.append("audit: " + _short(r["audit"], 80))
+    if r.get("disagree"):
+        why.append("the forward shows packing no adapter describes" if _packed(r).count("only from") else "disagree")
+    trace = str(r.get("trace", ""))
+    if "traced" not in r and trace.startswith(("PackedInitError", "RuntimeError", "TypeError", "Value")):
+        why.append("the forward, given only `input_ids`, failed: " + _short(trace, 70))
+    if "error" in r:
+        why.append(_short(r["error"], 110))
+    return "; ".join(why)
+
+
 def page(rows: Sequence[dict[str, Any]], elapsed: float) -> str:
     """The Markdown page."""
     import transformers
@@ -208,20 +262,49 @@ def page(rows: Sequence[dict[str, Any]], elapsed: float) -> str:
         "",
         "## Built, not clean",
         "",
-        "| model type | class | reset_parameters(strict=True) | tracer vs adapters |",
+        "Per model: whether its forward was traced (token models only: the tracer feeds `input_ids`), the "
+        "packed weights found and where their layout came from (the registered adapters, or only the "
+        "forward), and why the model is not clean. Each model's class and the full messages are in "
+        "`docs/bench/sweep.jsonl`.",
+        "",
+        '<div class="sweep-table" markdown>',
+        "",
+        "| model | traced | packed weights: layout from | why not clean |",
         "|---|---|---|---|",
     ]
     for r in built:
         if r["clean"]:
             continue
-        reset = r.get("reset", r.get("error", ""))
-        disagree = "; ".join(r.get("disagree", [])) or r.get("trace", "") or r.get("error", "")
-        lines.append(f"| {r['model_type']} | {r['class']} | {str(reset)[:200]} | {str(disagree)[:300]} |")
-    lines += ["", "## Not built", "", "| model type | class | reason |", "|---|---|---|"]
+        lines.append(f"| {r['model_type']} | {_traced(r)} | {_packed(r)} | {_why_not_clean(r)} |")
+    lines += [
+        "",
+        "</div>",
+        "",
+        "## Clean",
+        "",
+        "Built, `reset_parameters(strict=True)` and `audit` pass, and where the forward was traced it agrees "
+        "with the adapters.",
+        "",
+        '<div class="sweep-table" markdown>',
+        "",
+        "| model | traced | packed weights: layout from |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {r['model_type']} | {_traced(r)} | {_packed(r)} |" for r in clean]
+    lines += ["", "</div>"]
+    lines += [
+        "",
+        "## Not built",
+        "",
+        '<div class="sweep-table" markdown>',
+        "",
+        "| model type | class | reason |",
+        "|---|---|---|",
+    ]
     for r in rows:
         if not r["built"]:
-            lines.append(f"| {r['model_type']} | {r['class']} | {r.get('error', '')[:200]} |")
-    lines += ["", "## Clean", "", ", ".join(f"`{r['model_type']}`" for r in clean), ""]
+            lines.append(f"| {r['model_type']} | {r['class']} | {_short(r.get('error', ''), 160)} |")
+    lines += ["", "</div>", ""]
     return "\n".join(lines).replace("\\", "/")
 
 

@@ -273,6 +273,11 @@ def _run_audit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         )
         answer = textwrap.fill(report.answer(), width=110, subsequent_indent="  ", break_on_hyphens=False)
         out.write(f"answer for the model as built (its own default init):\n{answer}\n")
+        if report.fix() is not None:
+            out.write(
+                "that fix is the narrowest call: it re-initialises only the parameters it names. For the broader\n"
+                "  calls and what each changes, see 'Which call do I use' in the README.\n"
+            )
     return _exit_code(ns, report, err)
 
 

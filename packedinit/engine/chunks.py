@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from functools import lru_cache
 from typing import TypeAlias, Union
 
 from torch import Tensor
@@ -17,6 +16,7 @@ from torch import Tensor
 from packedinit.errors import PackedInitError
 from packedinit.layout import Layout, LogicalBlock
 from packedinit.shapes import fmt_shape, is_int, where_prefix
+from packedinit.torch_compat import compile_safe_cache
 
 __all__ = ["Chunks", "as_layout", "logical_blocks"]
 
@@ -110,7 +110,7 @@ def _as_layout(
     return Layout(dim=d, sizes=sizes)
 
 
-_as_layout_cached = lru_cache(maxsize=4096)(_as_layout)
+_as_layout_cached = compile_safe_cache(maxsize=4096)(_as_layout)
 
 
 def logical_blocks(

@@ -12,7 +12,6 @@ the tensor itself, exactly as a plain call would).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
@@ -27,7 +26,7 @@ from packedinit.engine.orient import draws_in_place, row_major, stored_order, wr
 from packedinit.engine.plan import Plan
 from packedinit.engine.traits import TORCH_FNS, TORCH_INIT, UNIFORM_FNS, base, compute_dtype, convertible, hashable_in
 from packedinit.layout import Layout, LogicalBlock
-from packedinit.torch_compat import set_grad_enabled
+from packedinit.torch_compat import compile_safe_cache, set_grad_enabled
 
 __all__ = [
     "Scratch",
@@ -161,7 +160,7 @@ def _copy_transposed(dst: Tensor, logical: Tensor, scratch: Scratch) -> None:
     dst.copy_(tmp)
 
 
-@functools.lru_cache(maxsize=4096)
+@compile_safe_cache(maxsize=4096)
 def _geometry(layout: Layout, shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[_Where, ...]:
     """Per block, where it lives, computed once on meta tensors (pure, cached)."""
     meta = torch.empty_strided(shape, stride, device="meta")

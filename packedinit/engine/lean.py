@@ -152,7 +152,8 @@ def lean_call(
     inference tensor outside inference mode is refused first: torch would write it (and
     draw) before it refuses.
     """
-    if tensor.is_inference() and not torch.is_inference_mode_enabled():
+    # (torch.compile cannot trace is_inference(), nor take an inference tensor into a graph: skipped there)
+    if not torch.compiler.is_compiling() and tensor.is_inference() and not torch.is_inference_mode_enabled():
         raise inference_refused(tensor, param)
     try:
         fn(tensor, *args, **kwargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from packedinit.engine.compiled import compiling, traced_blocks
 from packedinit.engine.direct import DirectDraw, draw
 from packedinit.engine.distributed import init_dtensor
 from packedinit.engine.execute import LocalSink, Scratch, execute
@@ -30,6 +31,10 @@ def run(req: Request, scratch: Scratch | None = None) -> None:
 
     ``scratch`` may be shared across calls.
     """
+    if compiling():  # inside torch.compile: per-block calls Dynamo traces, else the eager engine (one break)
+        if not traced_blocks(req):
+            _eager_run(req, scratch)
+        return
     tensor, fn = req.tensor, req.init_fn
     key = None
     if type(tensor) in PLAIN_TYPES:
@@ -84,3 +89,7 @@ def _replay(prog: _Runs | Plan, tensor: Tensor, gen: torch.Generator | None, scr
             draw(tensor.as_strided((n,), (1,), offset + start), d, gen)
     finally:
         set_grad_enabled(grad)
+
+
+#: :func:`run` outside Dynamo's trace: the engine's Python planning cannot be put in a graph.
+_eager_run = torch.compiler.disable(run, recursive=True)  # type: ignore[no-untyped-call]  # torch leaves it untyped

@@ -30,6 +30,7 @@ from packedinit.errors import PackedInitError
 from packedinit.layout import Layout
 from packedinit.model.claims import own_layouts, resolve
 from packedinit.model.held import through_parametrizations, write_entries
+from packedinit.model.keywords import FILTERS, check_keywords
 from packedinit.model.steps import CHECKED, call_key, tensor_key
 from packedinit.torch_compat import apply_ancestors as frames_from_apply
 from packedinit.torch_compat import param_dict
@@ -112,6 +113,7 @@ def module_call(
             f"adapters and annotations: use chunked({fn_name(init_fn)})(module) and "
             f"packedinit.annotate(module, name=Layout(...)) for parameters no adapter knows."
         )
+    check_keywords(f"chunked({fn_name(init_fn)})", (), init_fn, kwargs)
     if ancestors is not None:
         _init_own(module, ancestors, init_fn, args, kwargs)
     else:
@@ -225,6 +227,7 @@ def init_model(
         raise PackedInitError(f"init_model(model, ...) needs an nn.Module, got {type(model).__name__}.")
     if not callable(init_fn):
         raise PackedInitError(f"init_model(model, init_fn): init_fn must be callable, got {type(init_fn).__name__}.")
+    check_keywords("init_model", FILTERS, init_fn, kwargs)
     entries = resolve(model)
     if modules is not None or params is not None:
         kept = select(model, entries, modules, params)
