@@ -1,0 +1,165 @@
+"""The model library's own init entry point, found by class path or named by the user.
+
+A model built on the meta device comes out of ``to_empty`` with uninitialised memory;
+``reset_parameters`` re-runs torch's defaults, but a library's model also runs its own init
+at (or right after) construction: timm's ``VisionTransformer.init_weights()``, torchtitan's
+``init_weights(buffer_device=...)`` / ``init_states``, open_clip's ``init_parameters()``,
+x-transformers' ``init_()`` (transformers' ``_init_weights`` is handled in
+:mod:`packedinit.recipes.reset`). :func:`entry_points` says which of them to run, on which
+module, after torch's defaults of that module's subtree (the order construction ran them in).
+No library is imported: modules are recognised by class path and only their own methods run.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from packedinit.errors import PackedInitError
+
+__all__ = ["EntryPoint", "ModelInit", "entry_points", "in_entry_point"]
+
+#: What a user may name: a method name of the model (``"init_weights"``) or a function of the model.
+ModelInit = str | Callable[[nn.Module], object] | None
+
+
+@dataclass(frozen=True)
+class EntryPoint:
+    """One init entry point: ``run()`` calls it on ``module``; ``name`` is how messages name it."""
+
+    module: nn.Module
+    name: str
+    run: Callable[[], object]
+
+
+@dataclass(frozen=True)
+class _Library:
+    """A library's entry point: classes whose module starts with ``prefix``, method ``method``."""
+
+    library: str
+    prefix: str
+    methods: tuple[str, ...]  # the first one the module has is run
+    outermost: bool  # it recurses into the module's descendants: run on the outermost holder only
+
+
+_LIBRARIES = (
+    _Library("torchtitan", "torchtitan.", ("init_states", "init_weights"), True),
+    _Library("timm", "timm.", ("init_weights",), True),
+    _Library("open_clip", "open_clip.", ("init_parameters",), False),
+    _Library("x-transformers", "x_transformers.", ("init_",), True),
+)
+#: Method names of the entry points, for the construction recorder (:func:`in_entry_point`).
+_METHODS = frozenset(m for lib in _LIBRARIES for m in lib.methods)
+
+
+def _library_of(m: nn.Module) -> _Library | None:
+    path = type(m).__module__ + "."
+    for lib in _LIBRARIES:
+        if path.startswith(lib.prefix) and any(callable(getattr(m, n, None)) for n in lib.methods):
+            return lib
+    return None
+
+
+def _call(m: nn.Module, method: str) -> Callable[[], object]:
+    """The bound call with the arguments the library's own flow passes (after torch's defaults ran)."""
+    fn = getattr(m, method)
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C method: call it bare
+        params = types.MappingProxyType({})
+    kwargs: dict[str, object] = {}
+    if "buffer_device" in params:  # torchtitan: buffers (RoPE caches) on the parameters' device
+        kwargs["buffer_device"] = None
+    if "needs_reset" in params:  # timm ViT: modules' own reset_parameters() already ran
+        kwargs["needs_reset"] = False
+    return functools.partial(fn, **kwargs)
+
+
+def _known(model: nn.Module) -> list[EntryPoint]:
+    found: list[EntryPoint] = []
+
+    def visit(m: nn.Module, covered: frozenset[str]) -> None:
+        lib = _library_of(m)
+        if lib is not None and lib.library not in covered:
+            method = next(n for n in lib.methods if callable(getattr(m, n, None)))
+            found.append(EntryPoint(m, f"{lib.library}'s {type(m).__name__}.{method}()", _call(m, method)))
+            if lib.outermost:
+                covered = covered | {lib.library}
+        for child in m.children():
+            visit(child, covered)
+
+    visit(model, frozenset())
+    _refuse_unkept_scheme(model, found)
+    return found
+
+
+def _refuse_unkept_scheme(model: nn.Module, found: list[EntryPoint]) -> None:
+    """timm models that init their blocks with a scheme they do not keep (maxxvit): refused by name."""
+    for m in model.modules():
+        if not type(m).__module__.startswith("timm.") or callable(getattr(m, "init_weights", None)):
+            continue
+        if not callable(getattr(m, "_init_weights", None)):
+            continue
+        blocks = [n for n, c in m.named_modules() if c is not m and callable(getattr(c, "init_weights", None))]
+        if blocks and not any(e.module is m for e in found):
+            raise PackedInitError(
+                f"reset_parameters({type(model).__name__}): timm's {type(m).__name__} initialises its blocks at "
+                f"construction by named_apply(partial(self._init_weights, scheme=cfg.weight_init), self), and the "
+                f"scheme is not kept on the model, so packedinit cannot run that init; {len(blocks)} block(s) "
+                f"({', '.join(map(repr, blocks[:3]))}{', ...' if len(blocks) > 3 else ''}) would keep torch's "
+                f"defaults instead. Nothing was written. Fix: name it, e.g. reset_parameters(model, model_init="
+                f"lambda m: timm.models.named_apply(functools.partial(m._init_weights, scheme='normal'), m)) with "
+                f"your config's weight_init."
+            )
+
+
+def entry_points(
+    model: nn.Module, model_init: ModelInit = None, *, where: str = "reset_parameters"
+) -> list[EntryPoint]:
+    """The entry points to run, each after torch's defaults of its module's subtree.
+
+    ``model_init``: ``None`` finds the libraries' entry points (see the module docstring); a
+    method name runs ``model.<name>()``; a callable runs ``model_init(model)``; ``False``-like
+    ``""`` runs none. Refuses (before any write) a named method the model does not have.
+    """
+    if model_init is None:
+        return _known(model)
+    if isinstance(model_init, str):
+        if not model_init:
+            return []
+        fn = getattr(model, model_init, None)
+        if not callable(fn):
+            raise PackedInitError(
+                f"{where}({type(model).__name__}, model_init={model_init!r}): the model has no method "
+                f"{model_init!r}, so its own init cannot run; nothing was written. Fix: name a method of "
+                f"{type(model).__name__}, or pass a function of the model (model_init=lambda m: ...)."
+            )
+        return [EntryPoint(model, f"{type(model).__name__}.{model_init}()", _call(model, model_init))]
+    if not callable(model_init):
+        raise PackedInitError(
+            f"{where}(model_init=...): needs a method name or a function of the model, got "
+            f"{type(model_init).__name__}."
+        )
+    name = getattr(model_init, "__qualname__", None) or type(model_init).__name__
+    return [EntryPoint(model, f"model_init {name}", functools.partial(model_init, model))]
+
+
+def in_entry_point(frame: types.FrameType | None) -> bool:
+    """Is ``frame`` (or a caller of it) a known library entry point running on its own module?
+
+    The construction recorder (``deferred()``) leaves their calls out: ``reset_parameters``
+    runs the entry point itself.
+    """
+    f = frame
+    while f is not None:
+        if f.f_code.co_name in _METHODS:
+            owner = f.f_locals.get("self")
+            if isinstance(owner, nn.Module) and _library_of(owner) is not None:
+                return True
+        f = f.f_back
+    return False
