@@ -219,6 +219,14 @@ def reset_parameters(
       ``inv_freq`` hold); a nested ``PreTrainedModel`` uses its own. Its
       ``nn.MultiheadAttention`` and ``nn.LSTM`` defaults are run per block. Tied
       weights are tied again first (``tie_weights()``): ``to_empty`` unties them.
+    - the model library's own init entry point, after torch's defaults of its module's
+      subtree (where construction ran it): timm's ``init_weights()``, torchtitan's
+      ``init_states(buffer_device=None)`` (its ``init_weights``), open_clip's
+      ``init_parameters()``, x-transformers' ``init_()``; found by class path
+      (:mod:`packedinit.recipes.model_init`), or the one ``model_init=`` names. One that
+      fails on meta stand-ins, or a timm model whose blocks' init scheme is not kept
+      (maxxvit), is refused by name before any write; what it leaves unwritten is named
+      as below.
     - while any of these runs, every fan-dependent ``torch.nn.init`` call it makes on a
       packed parameter of ``module`` runs per block (:mod:`packedinit.recipes.init_calls`): the
       model's own init (SigLIP's pooling head, Mask2Former), with its packed blocks per block.
@@ -248,11 +256,15 @@ def reset_parameters(
             which needs a CPU generator and CPU (or meta) parameters.
         strict: raise (the default) or only warn when some parameter or buffer is
             covered by no known init.
+        model_init: the model's own init entry point, run after torch's defaults: a
+            method name of ``module`` (``"init_weights"``), a function of ``module``, or
+            ``""`` for none. ``None`` (the default) finds the libraries' entry points.
 
     Raises:
         PackedInitError: ``generator`` is not a Generator, or cannot be routed
             through some module's own init; a parameter or buffer no known init
-            covers (``strict=True``). Raised before any write.
+            covers (``strict=True``); a ``model_init`` method ``module`` lacks, or an
+            entry point that fails on meta stand-ins. Raised before any write.
 
     Examples:
         >>> E = 32
@@ -270,6 +282,23 @@ def reset_parameters(
         Traceback (most recent call last):
         ...
         packedinit.errors.PackedInitError: reset_parameters(Sequential): no known init covers 1 parameter(s) ...
+        >>> class Gated(torch.nn.Module):  # its own init, called by its constructor
+        ...     def __init__(self) -> None:
+        ...         super().__init__()
+        ...         self.mha = torch.nn.MultiheadAttention(E, 4)
+        ...         self.gate = torch.nn.Parameter(torch.empty(E))
+        ...         self.init_weights()
+        ...     def init_weights(self) -> None:
+        ...         torch.nn.init.zeros_(self.gate)
+        ...         torch.nn.init.xavier_normal_(self.mha.in_proj_weight)  # runs per q, k, v block
+        >>> with torch.device("meta"):
+        ...     model = Gated()
+        >>> model = model.to_empty(device="cpu")
+        >>> reset_parameters(model, model_init="init_weights")
+        >>> float(model.gate.detach().abs().sum())
+        0.0
+        >>> round(float(model.mha.in_proj_weight.detach().std()), 1)  # xavier per (E, E) block: sqrt(2 / 2E) = 0.18
+        0.2
     """
     if not isinstance(module, nn.Module):
         raise PackedInitError(f"reset_parameters(module) needs an nn.Module, got {type(module).__name__}.")
