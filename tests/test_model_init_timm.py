@@ -71,3 +71,12 @@ def test_maxxvit_refuses_by_name_and_its_printed_fix_works() -> None:
     )
     assert mismatches(eager, meta_built) == []
     assert stds(meta_built, ["stem.conv1.weight"])["stem.conv1.weight"] == pytest.approx(0.02, rel=0.15)
+
+
+def test_maxxvit_under_deferred_replays_the_constructions_own_calls() -> None:
+    torch.manual_seed(0)
+    eager = _maxxvit()
+    with packedinit.deferred() as construction:
+        built = _maxxvit()
+    construction.materialize(built, device="cpu")  # the blocks' init_weights(scheme) calls were recorded
+    assert mismatches(eager, built) == []

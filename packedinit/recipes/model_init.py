@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import types
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from torch import nn
@@ -39,39 +41,80 @@ class EntryPoint:
 
 @dataclass(frozen=True)
 class _Library:
-    """A library's entry point: classes whose module starts with ``prefix``, method ``method``."""
+    """A library's entry point: classes whose module starts with ``prefix``, method one of ``methods``."""
 
     library: str
     prefix: str
     methods: tuple[str, ...]  # the first one the module has is run
-    outermost: bool  # it recurses into the module's descendants: run on the outermost holder only
+    #: True: run on every module whose constructor calls it (as construction did), children first;
+    #: False: the library's flow calls it after construction, on the model: run on the outermost holder
+    by_constructor: bool
 
 
 _LIBRARIES = (
-    _Library("torchtitan", "torchtitan.", ("init_states", "init_weights"), True),
+    _Library("torchtitan", "torchtitan.", ("init_states", "init_weights"), False),
     _Library("timm", "timm.", ("init_weights",), True),
-    _Library("open_clip", "open_clip.", ("init_parameters",), False),
+    _Library("open_clip", "open_clip.", ("init_parameters",), True),
     _Library("x-transformers", "x_transformers.", ("init_",), True),
 )
 #: Method names of the entry points, for the construction recorder (:func:`in_entry_point`).
 _METHODS = frozenset(m for lib in _LIBRARIES for m in lib.methods)
 
 
-def _library_of(m: nn.Module) -> _Library | None:
+#: class -> {method: whether its constructor calls it}; weak, so that no class is kept alive
+_CALLS: weakref.WeakKeyDictionary[type, dict[str, bool]] = weakref.WeakKeyDictionary()
+
+
+def _constructor_calls(cls: type, method: str) -> bool:
+    """Does an ``__init__`` in ``cls``'s MRO call (or hand on) ``self.<method>``? (No source: assume it does.)"""
+    known = _CALLS.setdefault(cls, {})
+    if method not in known:
+        known[method] = _reads_call(cls, method)
+    return known[method]
+
+
+def _reads_call(cls: type, method: str) -> bool:
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None or klass is nn.Module or klass is object:
+            continue
+        try:
+            source = inspect.getsource(init)
+        except (OSError, TypeError):
+            return True
+        if re.search(rf"\bself\.{method}\b", source):  # called, or handed on (named_apply(partial(self.m)))
+            return True
+    return False
+
+
+def _bare(fn: Callable[..., object]) -> bool:
+    """Callable without arguments (``init_(self, m)`` of x-transformers' up-wrapper is no entry point)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
+
+
+def _entry_method(m: nn.Module) -> tuple[_Library, str] | None:
+    """The library and method of ``m``'s entry point (whatever its position in the model), or None."""
     path = type(m).__module__ + "."
     for lib in _LIBRARIES:
-        if path.startswith(lib.prefix) and any(callable(getattr(m, n, None)) for n in lib.methods):
-            return lib
+        if not path.startswith(lib.prefix):
+            continue
+        for name in lib.methods:
+            fn = getattr(m, name, None)
+            if callable(fn) and _bare(fn):
+                if lib.by_constructor and not _constructor_calls(type(m), name):
+                    return None
+                return lib, name
     return None
 
 
 def _call(m: nn.Module, method: str) -> Callable[[], object]:
     """The bound call with the arguments the library's own flow passes (after torch's defaults ran)."""
     fn = getattr(m, method)
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # a builtin or C method: call it bare
-        params = types.MappingProxyType({})
+    params = inspect.signature(fn).parameters
     kwargs: dict[str, object] = {}
     if "buffer_device" in params:  # torchtitan: buffers (RoPE caches) on the parameters' device
         kwargs["buffer_device"] = None
@@ -80,55 +123,62 @@ def _call(m: nn.Module, method: str) -> Callable[[], object]:
     return functools.partial(fn, **kwargs)
 
 
-def _known(model: nn.Module) -> list[EntryPoint]:
+def _known(model: nn.Module, filled: Collection[int]) -> list[EntryPoint]:
     found: list[EntryPoint] = []
 
-    def visit(m: nn.Module, covered: frozenset[str]) -> None:
-        lib = _library_of(m)
-        if lib is not None and lib.library not in covered:
-            method = next(n for n in lib.methods if callable(getattr(m, n, None)))
+    def visit(m: nn.Module, outer: frozenset[str]) -> None:
+        hit = _entry_method(m)
+        if hit is not None and hit[0].library not in outer:
+            lib, method = hit
             found.append(EntryPoint(m, f"{lib.library}'s {type(m).__name__}.{method}()", _call(m, method)))
-            if lib.outermost:
-                covered = covered | {lib.library}
+            if not lib.by_constructor:
+                outer = outer | {lib.library}  # it recurses into the descendants itself
         for child in m.children():
-            visit(child, covered)
+            visit(child, outer)
 
     visit(model, frozenset())
-    _refuse_unkept_scheme(model, found)
+    _refuse_unkept_scheme(model, found, filled)
     return found
 
 
-def _refuse_unkept_scheme(model: nn.Module, found: list[EntryPoint]) -> None:
-    """timm models that init their blocks with a scheme they do not keep (maxxvit): refused by name."""
+def _refuse_unkept_scheme(model: nn.Module, found: list[EntryPoint], filled: Collection[int]) -> None:
+    """timm models that init their blocks with a scheme they do not keep (maxxvit): refused by name.
+
+    Unless the construction's own calls were recorded (``deferred()``): they fill those blocks.
+    """
     for m in model.modules():
         if not type(m).__module__.startswith("timm.") or callable(getattr(m, "init_weights", None)):
             continue
-        if not callable(getattr(m, "_init_weights", None)):
+        if not callable(getattr(m, "_init_weights", None)) or not _constructor_calls(type(m), "_init_weights"):
             continue
-        blocks = [n for n, c in m.named_modules() if c is not m and callable(getattr(c, "init_weights", None))]
+        blocks = [(n, c) for n, c in m.named_modules() if c is not m and callable(getattr(c, "init_weights", None))]
+        if any(id(p) in filled for _, c in blocks for p in c.parameters()):
+            continue
         if blocks and not any(e.module is m for e in found):
+            names = [n for n, _ in blocks]
             raise PackedInitError(
                 f"reset_parameters({type(model).__name__}): timm's {type(m).__name__} initialises its blocks at "
                 f"construction by named_apply(partial(self._init_weights, scheme=cfg.weight_init), self), and the "
-                f"scheme is not kept on the model, so packedinit cannot run that init; {len(blocks)} block(s) "
-                f"({', '.join(map(repr, blocks[:3]))}{', ...' if len(blocks) > 3 else ''}) would keep torch's "
+                f"scheme is not kept on the model, so packedinit cannot run that init; {len(names)} block(s) "
+                f"({', '.join(map(repr, names[:3]))}{', ...' if len(names) > 3 else ''}) would keep torch's "
                 f"defaults instead. Nothing was written. Fix: name it, e.g. reset_parameters(model, model_init="
                 f"lambda m: timm.models.named_apply(functools.partial(m._init_weights, scheme='normal'), m)) with "
-                f"your config's weight_init."
+                f"your config's weight_init, or build the model inside packedinit.deferred()."
             )
 
 
 def entry_points(
-    model: nn.Module, model_init: ModelInit = None, *, where: str = "reset_parameters"
+    model: nn.Module, model_init: ModelInit = None, *, where: str = "reset_parameters", filled: Collection[int] = ()
 ) -> list[EntryPoint]:
     """The entry points to run, each after torch's defaults of its module's subtree.
 
     ``model_init``: ``None`` finds the libraries' entry points (see the module docstring); a
     method name runs ``model.<name>()``; a callable runs ``model_init(model)``; ``False``-like
     ``""`` runs none. Refuses (before any write) a named method the model does not have.
+    ``filled``: ids of the tensors the construction's recorded calls fill (``deferred()``).
     """
     if model_init is None:
-        return _known(model)
+        return _known(model, set(filled))
     if isinstance(model_init, str):
         if not model_init:
             return []
@@ -159,7 +209,8 @@ def in_entry_point(frame: types.FrameType | None) -> bool:
     while f is not None:
         if f.f_code.co_name in _METHODS:
             owner = f.f_locals.get("self")
-            if isinstance(owner, nn.Module) and _library_of(owner) is not None:
+            hit = _entry_method(owner) if isinstance(owner, nn.Module) else None
+            if hit is not None and hit[1] == f.f_code.co_name:
                 return True
         f = f.f_back
     return False

@@ -326,7 +326,7 @@ def reset_keeping(
     gen = check_generator(generator, "reset_parameters")
     retie(module)
     kept = {id(t) for t in keep}
-    entries = entry_points(module, model_init)
+    entries = entry_points(module, model_init, filled={id(t) for t in filled})
     steps = _dry_run_all(module, _plan(module, gen, entries))
     if kept:
         steps = _without_kept(module, steps, kept)
