@@ -80,3 +80,17 @@ def test_maxxvit_under_deferred_replays_the_constructions_own_calls() -> None:
         built = _maxxvit()
     construction.materialize(built, device="cpu")  # the blocks' init_weights(scheme) calls were recorded
     assert mismatches(eager, built) == []
+
+
+def test_fan_dependent_calls_inside_init_weights_run_per_block_on_packed_qkv() -> None:
+    """ViT ``weight_init='jax'``: ``init_weights()`` calls ``nn.init.xavier_uniform_`` on each qkv (3E, E)."""
+    e = 192
+    with torch.device("meta"):
+        model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=1, weight_init="jax")
+    for block in model.blocks:
+        packedinit.annotate(block.attn.qkv, weight=packedinit.Layout(sizes=(e, e, e)))
+    model.to_empty(device="cpu")
+    packedinit.reset_parameters(model)
+    w = model.blocks[0].attn.qkv.weight.detach()
+    assert float(w.abs().max()) <= (6 / (2 * e)) ** 0.5  # xavier per (E, E) block
+    assert float(w.abs().max()) > (6 / (4 * e)) ** 0.5  # not the packed (3E, E) bound

@@ -37,3 +37,14 @@ def test_llama3_debugmodel_meta_flow_is_titans_init() -> None:
     assert stds(meta_built, [qkv])[qkv] == pytest.approx(0.02, rel=0.15)
     for n, b in eager.named_buffers():
         assert torch.allclose(b, dict(meta_built.named_buffers())[n]), n  # RoPE caches computed, not left empty
+
+
+def test_llama3_debugmodel_under_deferred_is_titans_init() -> None:
+    torch.manual_seed(0)
+    eager = _debugmodel()
+    with torch.no_grad():
+        eager.init_weights(buffer_device=None)
+    with packedinit.deferred() as construction:
+        built = _debugmodel()
+    construction.materialize(built, device="cpu")
+    assert mismatches(eager, built) == []

@@ -85,3 +85,26 @@ def test_deferred_materialize_takes_it_too() -> None:
 def test_a_wrong_type_is_refused() -> None:
     with pytest.raises(PackedInitError, match=r"needs a method name or a function of the model, got int"):
         packedinit.reset_parameters(nn.Linear(2, 2), model_init=3)  # type: ignore[arg-type]
+
+
+def test_generator_is_routed_through_the_entry_point_and_the_global_rng_is_untouched() -> None:
+    class Noisy(Net):
+        def init_weights(self) -> None:
+            nn.init.normal_(self.scale, std=0.1)  # takes no generator: drawn from the routed default RNG
+            super().init_weights()
+            nn.init.normal_(self.scale, std=0.1)
+
+    def build() -> Noisy:
+        with torch.device("meta"):
+            net = Noisy()
+        net.to_empty(device="cpu")
+        return net
+
+    state = torch.get_rng_state()
+    a, b = build(), build()
+    packedinit.reset_parameters(a, model_init="init_weights", generator=torch.Generator().manual_seed(1))
+    packedinit.reset_parameters(b, model_init="init_weights", generator=torch.Generator().manual_seed(1))
+    assert torch.equal(torch.get_rng_state(), state)
+    for (n, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), n
+    assert 0.05 < float(a.scale.detach().std()) < 0.2
