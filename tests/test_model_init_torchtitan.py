@@ -23,7 +23,12 @@ llama3 = pytest.importorskip("torchtitan.models.llama3", reason="torchtitan is n
 
 
 def _debugmodel() -> torch.nn.Module:
-    model: torch.nn.Module = llama3.llama3_configs["debugmodel"](attn_backend="flex").build()
+    """torchtitan's llama3 ``debugmodel`` (fused QKV), 2 layers and a 512-token RoPE cache to keep it fast."""
+    config = llama3.llama3_configs["debugmodel"](attn_backend="flex")
+    for layer in config.layers:
+        layer.attention.rope.max_seq_len = 512
+    config.layers = config.layers[:2]
+    model: torch.nn.Module = config.build()
     return model
 
 
