@@ -13,6 +13,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+import packedinit
+
 MIN_NUMEL = 256
 REL = 0.15
 
@@ -45,9 +47,11 @@ def stds(model: nn.Module, names: list[str]) -> dict[str, float]:
 
 
 def eager_and_meta(build: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module]:
-    """A normal build, and the same built on meta and moved to CPU (uninitialised memory)."""
+    """A normal build (under ``fix_torch_defaults()``: packed weights per block, as packedinit gives them,
+    bit-identical to torch elsewhere), and the same built on meta and moved to CPU (uninitialised memory)."""
     torch.manual_seed(0)
-    eager = build()
+    with packedinit.fix_torch_defaults():
+        eager = build()
     with torch.device("meta"):
         meta_built = build()
     meta_built.to_empty(device="cpu")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import sys
 import types
 import weakref
 from collections.abc import Callable, Collection
@@ -61,19 +62,23 @@ _LIBRARIES = (
 _METHODS = frozenset(m for lib in _LIBRARIES for m in lib.methods)
 
 
-#: class -> {method: whether its constructor calls it}; weak, so that no class is kept alive
+#: class -> {pattern: whether its constructor's source has it}; weak, so that no class is kept alive
 _CALLS: weakref.WeakKeyDictionary[type, dict[str, bool]] = weakref.WeakKeyDictionary()
 
 
 def _constructor_calls(cls: type, method: str) -> bool:
     """Does an ``__init__`` in ``cls``'s MRO call (or hand on) ``self.<method>``? (No source: assume it does.)"""
+    return _constructor_has(cls, rf"\bself\.{method}\b")  # called, or handed on (named_apply(partial(self.m)))
+
+
+def _constructor_has(cls: type, pattern: str) -> bool:
     known = _CALLS.setdefault(cls, {})
-    if method not in known:
-        known[method] = _reads_call(cls, method)
-    return known[method]
+    if pattern not in known:
+        known[pattern] = _search(cls, pattern)
+    return known[pattern]
 
 
-def _reads_call(cls: type, method: str) -> bool:
+def _search(cls: type, pattern: str) -> bool:
     for klass in cls.__mro__:
         init = vars(klass).get("__init__")
         if init is None or klass is nn.Module or klass is object:
@@ -82,7 +87,7 @@ def _reads_call(cls: type, method: str) -> bool:
             source = inspect.getsource(init)
         except (OSError, TypeError):
             return True
-        if re.search(rf"\bself\.{method}\b", source):  # called, or handed on (named_apply(partial(self.m)))
+        if re.search(pattern, source):
             return True
     return False
 
@@ -138,6 +143,31 @@ def _known(model: nn.Module, filled: Collection[int]) -> list[EntryPoint]:
 
     visit(model, frozenset())
     _refuse_unkept_scheme(model, found, filled)
+    return [*found, *_clip_text_towers(model)]
+
+
+def _clip_text_towers(model: nn.Module) -> list[EntryPoint]:
+    """open_clip's ``CLIP`` keeps the parts of the ``TextTransformer`` it builds, not the tower itself.
+
+    That tower's ``init_parameters()`` initialised them at construction (``token_embedding``
+    std 0.02, the blocks' scaled normals, ``text_projection``); it is run on the parts
+    (``cls_emb``, which ``CLIP`` does not keep, as None). Runs last, as construction did
+    (the towers are built before the rest of ``CLIP``'s own modules are assigned).
+    """
+    tower = getattr(sys.modules.get("open_clip.transformer"), "TextTransformer", None)
+    init = getattr(tower, "init_parameters", None)
+    found: list[EntryPoint] = []
+    if not callable(init):
+        return found
+    for m in model.modules():
+        if not type(m).__module__.startswith("open_clip.") or callable(getattr(m, "init_parameters", None)):
+            continue
+        parts = ("token_embedding", "positional_embedding", "transformer", "text_projection")
+        if not all(hasattr(m, p) for p in parts) or not _constructor_has(type(m), r"\btext\.token_embedding\b"):
+            continue
+        text = types.SimpleNamespace(cls_emb=None, **{p: getattr(m, p) for p in parts})
+        found.append(EntryPoint(m, "open_clip's TextTransformer.init_parameters() on CLIP's text parts",
+                                functools.partial(init, text)))
     return found
 
 
