@@ -119,7 +119,10 @@ def _entry_method(m: nn.Module) -> tuple[_Library, str] | None:
 def _call(m: nn.Module, method: str) -> Callable[[], object]:
     """The bound call with the arguments the library's own flow passes (after torch's defaults ran)."""
     fn = getattr(m, method)
-    params = inspect.signature(fn).parameters
+    try:
+        params: Collection[str] = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): called bare
+        params = ()
     kwargs: dict[str, object] = {}
     if "buffer_device" in params:  # torchtitan: buffers (RoPE caches) on the parameters' device
         kwargs["buffer_device"] = None
@@ -203,8 +206,8 @@ def entry_points(
     """The entry points to run, each after torch's defaults of its module's subtree.
 
     ``model_init``: ``None`` finds the libraries' entry points (see the module docstring); a
-    method name runs ``model.<name>()``; a callable runs ``model_init(model)``; ``False``-like
-    ``""`` runs none. Refuses (before any write) a named method the model does not have.
+    method name runs ``model.<name>()``; a callable runs ``model_init(model)``; ``""`` runs
+    none. Refuses (before any write) a named method the model does not have.
     ``filled``: ids of the tensors the construction's recorded calls fill (``deferred()``).
     """
     if model_init is None:
