@@ -80,6 +80,8 @@ def test_whole_model_page_runs_as_written(whole_model_page: dict[str, Any]) -> N
     assert ns["gpt2"].lm_head.weight is ns["gpt2"].transformer.wte.weight
     assert ns["lm"].lm_head.weight is ns["lm"].wte.weight  # a plain tie, kept by packedinit.to_empty
     assert "['emb.weight']\n0.25\n" in out  # the construction-time kaiming_normal_, replayed
+    assert float(ns["gated"].gate.detach().abs().sum()) == 0.0  # the model's own init_weights, named
+    assert "0.0\nTrue\n" in out
     assert _not_finite(ns["encoder"]) == []
     assert _not_finite(ns["llama"]) == []
 

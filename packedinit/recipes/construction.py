@@ -28,6 +28,7 @@ from packedinit.errors import PackedInitError
 from packedinit.model.claims import layouts
 from packedinit.model.ties import to_empty
 from packedinit.recipes.coverage import storage_key
+from packedinit.recipes.model_init import ModelInit, in_entry_point
 from packedinit.recipes.reset import reset_keeping
 from packedinit.torch_compat import RESET_METHOD, TorchDispatchMode, caller_frame, written_args
 
@@ -77,8 +78,14 @@ class Deferred:
         ]
         self.bound = True
 
-    def materialize(self, model: nn.Module, *, device: torch.device | str | int | None) -> list[str]:
+    def materialize(
+        self, model: nn.Module, *, device: torch.device | str | int | None, model_init: ModelInit = None
+    ) -> list[str]:
         """``to_empty`` (ties kept), ``reset_parameters``, then :meth:`replay`; the names the replay wrote.
+
+        ``model_init`` is :func:`packedinit.reset_parameters`'s: the model's own init entry point
+        (found by class path when None). Calls construction made inside a known entry point are
+        not recorded: ``reset_parameters`` runs the entry point itself.
 
         Parameters and buffers that are not on meta (parts built outside the block) keep their
         values: their own init is not run, and the values are copied onto ``device``. Every check
@@ -93,6 +100,7 @@ class Deferred:
             keep=[before[n] for n in kept_names],
             filled=[t for n, t in before.items() if n in filled],
             check_only=True,
+            model_init=model_init,
         )
         self._check_names(before)
         with torch.no_grad():
@@ -102,7 +110,12 @@ class Deferred:
             after = dict((*model.named_parameters(), *model.named_buffers()))
             for n, value in values.items():
                 after[n].copy_(value)
-        reset_keeping(model, keep=[after[n] for n in kept_names], filled=[t for n, t in after.items() if n in filled])
+        reset_keeping(
+            model,
+            keep=[after[n] for n in kept_names],
+            filled=[t for n, t in after.items() if n in filled],
+            model_init=model_init,
+        )
         return self.replay(model)
 
     def _check_names(self, by_name: dict[str, Tensor]) -> None:
@@ -236,4 +249,4 @@ def _inside_init_method(frame: types.FrameType) -> bool:
         if f.f_code.co_name in _INIT_METHODS:
             return True
         f = f.f_back
-    return False
+    return in_entry_point(frame.f_back)  # a library's own init entry point: reset_parameters runs it

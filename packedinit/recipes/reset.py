@@ -32,6 +32,7 @@ from packedinit.recipes.coverage import (
     tensor_holders,
     uncovered_message,
 )
+from packedinit.recipes.model_init import EntryPoint, ModelInit, entry_points
 from packedinit.recipes.replays import (
     own_tensors,
     replay_for,
@@ -83,6 +84,7 @@ class _Step:
     route: bool  # run with the generator routed through the default CPU RNG
     covers: Sequence[Tensor] | None  # None: found by a dry run on meta stand-ins
     globalize: bool = False  # DTensor parameters it writes become global-shape tensors meanwhile
+    entry: str | None = None  # the model's own init entry point it runs (named in errors)
 
 
 def _hf_init(owner: nn.Module, m: nn.Module) -> None:
@@ -117,8 +119,22 @@ def _default_step(m: nn.Module, gen: torch.Generator | None) -> _Step | None:
     return None
 
 
-def _plan(module: nn.Module, gen: torch.Generator | None) -> list[_Step]:
+def _entry_step(e: EntryPoint, gen: torch.Generator | None) -> _Step:
+    if gen is not None:
+        _check_routable(e.module, gen, [*e.module.parameters(), *e.module.buffers()])
+    return _Step(e.module, functools.partial(_no_grad, e.run), gen is not None, None, entry=e.name)
+
+
+def _no_grad(run: Callable[[], object]) -> None:
+    with torch.no_grad():  # as the libraries' own flows call it
+        run()
+
+
+def _plan(module: nn.Module, gen: torch.Generator | None, entries: Sequence[EntryPoint] = ()) -> list[_Step]:
     owners = hf_owners(module)
+    by_module: dict[int, list[EntryPoint]] = {}
+    for e in entries:
+        by_module.setdefault(id(e.module), []).append(e)
     steps: list[_Step] = []
     for m in _post_order(module):
         owner = owners.get(id(m))
@@ -136,6 +152,7 @@ def _plan(module: nn.Module, gen: torch.Generator | None) -> list[_Step]:
             if gen is not None:
                 _check_routable(m, gen, [*m.parameters(), *m.buffers()])
             steps.append(_Step(m, functools.partial(_hf_init, owner, m), gen is not None, None, globalize=True))
+        steps += [_entry_step(e, gen) for e in by_module.get(id(m), ())]  # after its subtree, as constructed
     return steps
 
 
@@ -145,6 +162,13 @@ def _dry_run_all(module: nn.Module, steps: list[_Step]) -> list[_Step]:
         for step in steps:
             if step.covers is None:
                 written = dry_run(step.run, stand_ins)
+                if written is None and step.entry is not None:
+                    raise PackedInitError(
+                        f"reset_parameters({type(module).__name__}): the model's own init, {step.entry}, fails on "
+                        f"meta stand-ins of its tensors, so what it writes cannot be checked before writing; nothing "
+                        f"was written. Fix: pass model_init= a function that initialises the model (it runs after "
+                        f"torch's defaults), or model_init='' to run torch's defaults only and fill the rest yourself."
+                    )
                 # init code that fails on meta tensors: trust the convention (a module initialises its own tensors)
                 step.covers = written if written is not None else stand_ins.originals(own_tensors(step.module))
     kept: list[_Step] = []
@@ -160,7 +184,13 @@ def _dry_run_all(module: nn.Module, steps: list[_Step]) -> list[_Step]:
     return kept
 
 
-def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = None, strict: bool = True) -> None:
+def reset_parameters(
+    module: nn.Module,
+    *,
+    generator: torch.Generator | None = None,
+    strict: bool = True,
+    model_init: ModelInit = None,
+) -> None:
     r"""Initialise every parameter as construction did, with packed blocks initialised on their own.
 
     The call that materialises a model built on the meta device
@@ -189,6 +219,14 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
       ``inv_freq`` hold); a nested ``PreTrainedModel`` uses its own. Its
       ``nn.MultiheadAttention`` and ``nn.LSTM`` defaults are run per block. Tied
       weights are tied again first (``tie_weights()``): ``to_empty`` unties them.
+    - the model library's own init entry point, after torch's defaults of its module's
+      subtree (where construction ran it): timm's ``init_weights()``, torchtitan's
+      ``init_states(buffer_device=None)`` (its ``init_weights``), open_clip's
+      ``init_parameters()``, x-transformers' ``init_()``; found by class path
+      (:mod:`packedinit.recipes.model_init`), or the one ``model_init=`` names. One that
+      fails on meta stand-ins, or a timm model whose blocks' init scheme is not kept
+      (maxxvit), is refused by name before any write; what it leaves unwritten is named
+      as below.
     - while any of these runs, every fan-dependent ``torch.nn.init`` call it makes on a
       packed parameter of ``module`` runs per block (:mod:`packedinit.recipes.init_calls`): the
       model's own init (SigLIP's pooling head, Mask2Former), with its packed blocks per block.
@@ -218,11 +256,15 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
             which needs a CPU generator and CPU (or meta) parameters.
         strict: raise (the default) or only warn when some parameter or buffer is
             covered by no known init.
+        model_init: the model's own init entry point, run after torch's defaults: a
+            method name of ``module`` (``"init_weights"``), a function of ``module``, or
+            ``""`` for none. ``None`` (the default) finds the libraries' entry points.
 
     Raises:
         PackedInitError: ``generator`` is not a Generator, or cannot be routed
             through some module's own init; a parameter or buffer no known init
-            covers (``strict=True``). Raised before any write.
+            covers (``strict=True``); a ``model_init`` method ``module`` lacks, or an
+            entry point that fails on meta stand-ins. Raised before any write.
 
     Examples:
         >>> E = 32
@@ -240,10 +282,27 @@ def reset_parameters(module: nn.Module, *, generator: torch.Generator | None = N
         Traceback (most recent call last):
         ...
         packedinit.errors.PackedInitError: reset_parameters(Sequential): no known init covers 1 parameter(s) ...
+        >>> class Gated(torch.nn.Module):  # its own init, called by its constructor
+        ...     def __init__(self) -> None:
+        ...         super().__init__()
+        ...         self.mha = torch.nn.MultiheadAttention(E, 4)
+        ...         self.gate = torch.nn.Parameter(torch.empty(E))
+        ...         self.init_weights()
+        ...     def init_weights(self) -> None:
+        ...         torch.nn.init.zeros_(self.gate)
+        ...         torch.nn.init.xavier_normal_(self.mha.in_proj_weight)  # runs per q, k, v block
+        >>> with torch.device("meta"):
+        ...     model = Gated()
+        >>> model = model.to_empty(device="cpu")
+        >>> reset_parameters(model, model_init="init_weights")
+        >>> float(model.gate.detach().abs().sum())
+        0.0
+        >>> round(float(model.mha.in_proj_weight.detach().std()), 1)  # xavier per (E, E) block: sqrt(2 / 2E) = 0.18
+        0.2
     """
     if not isinstance(module, nn.Module):
         raise PackedInitError(f"reset_parameters(module) needs an nn.Module, got {type(module).__name__}.")
-    reset_keeping(module, generator=generator, strict=strict)
+    reset_keeping(module, generator=generator, strict=strict, model_init=model_init)
 
 
 def reset_keeping(
@@ -254,6 +313,7 @@ def reset_keeping(
     keep: Collection[Tensor] = (),
     filled: Collection[Tensor] = (),
     check_only: bool = False,
+    model_init: ModelInit = None,
 ) -> None:
     """:func:`reset_parameters`, leaving the tensors in ``keep`` as they are and counting ``filled`` as covered.
 
@@ -266,11 +326,15 @@ def reset_keeping(
     gen = check_generator(generator, "reset_parameters")
     retie(module)
     kept = {id(t) for t in keep}
-    steps = _dry_run_all(module, _plan(module, gen))
+    entries = entry_points(module, model_init, filled={id(t) for t in filled})
+    steps = _dry_run_all(module, _plan(module, gen, entries))
     if kept:
         steps = _without_kept(module, steps, kept)
     covered = {id(t) for step in steps for t in (step.covers or ())} | kept | {id(t) for t in filled}
     message = uncovered_message(module, covered)
+    if message is not None and entries:
+        ran = ", ".join(e.name for e in entries)
+        message += f" The model's own init ran on meta stand-ins ({ran}) and writes none of them."
     if message is not None:
         if strict:
             raise PackedInitError(message)
