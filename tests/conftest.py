@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -67,7 +68,9 @@ def lib() -> Callable[[str], ModuleType]:
         if importlib.util.find_spec(name.split(".")[0]) is None:
             pytest.skip(f"{name} is not installed (the library tests' venv: pip install -r .ci/libs.txt)")
         install_shim()
-        return importlib.import_module(name)
+        with warnings.catch_warnings():  # the library's own import warnings (torch.jit deprecations) are not ours
+            warnings.simplefilter("ignore")
+            return importlib.import_module(name)
 
     return load
 

@@ -86,7 +86,8 @@ def test_infer_layouts_finds_each_layout(name: str, lib: Any, story: Any) -> Non
 
 
 def test_maxvit_audit_and_its_printed_fix(lib: Any, story: Any) -> None:
-    """MaxViT's 1x1-conv qkv is initialised whole by torch's default (kaiming with a = sqrt 5): affected."""
+    """MaxViT's own init (timm/models/maxxvit.py:407, the default 'vit_eff' scheme) runs xavier_uniform_ on the whole
+    packed qkv (a 1x1 conv or a Linear): affected, and the printed fix makes it per block."""
     torch.manual_seed(0)
     before = story.audit_fix_works(_maxxvit(lib, True))
     assert before.affected
@@ -96,7 +97,7 @@ def test_maxvit_audit_and_its_printed_fix(lib: Any, story: Any) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_fix_torch_defaults_builds_per_block_and_identical_elsewhere(name: str, lib: Any, story: Any) -> None:
     plain, fixed = story.fix_builds_per_block(_models(lib)[name])
-    if name.startswith("maxvit"):  # torch's default ran on the packed conv/linear: now per block, so it differs
+    if name.startswith("maxvit"):  # timm's own xavier_uniform_ on the packed qkv: now per block, so it differs
         pairs = zip(plain.named_parameters(), fixed.named_parameters(), strict=True)
         differ = [n for (n, a), (_, b) in pairs if not torch.equal(a, b)]
         assert differ
