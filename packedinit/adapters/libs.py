@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from packedinit.adapters.fused import fused_qkv
+from packedinit.adapters.fused import fused_gate_up, fused_qkv
 from packedinit.adapters.hf_common import fit, int_attr, qkv, tensor
 from packedinit.layout import Layout
 from packedinit.model.registry import register
@@ -120,6 +120,28 @@ def _diffusers_attention(module: nn.Module) -> Mapping[str, Layout]:
         layout = Layout(0, [size] * len(names), names=names)
         out.update(qkv(prefix, layout, layout))
     return fit(module, out)
+
+
+@register(f"{DIFFUSERS}.transformers.transformer_flux2.Flux2ParallelSelfAttention")
+def _flux2_parallel_attention(module: nn.Module) -> Mapping[str, Layout]:
+    """Flux 2's single-stream block, fused at construction: ``to_qkv_mlp_proj`` is split
+    ``[3 * inner_dim, mlp_hidden_dim * mlp_mult_factor]``, then ``qkv.chunk(3)`` and ``Flux2SwiGLU``'s
+    ``x[..., :half]`` (gate) / ``x[..., half:]`` (up): ``[q | k | v | gate | up]``."""
+    inner, hidden = int_attr(module, "inner_dim"), int_attr(module, "mlp_hidden_dim")
+    mult = int_attr(module, "mlp_mult_factor")
+    names = ("q", "k", "v", "gate", "up") if mult == 2 else ("q", "k", "v", *(f"mlp{i}" for i in range(mult)))
+    layout = Layout(0, [inner] * 3 + [hidden] * mult, names=names)
+    return fit(module, qkv("to_qkv_mlp_proj", layout, layout))
+
+
+@register(f"{DIFFUSERS}.transformers.transformer_flux2.Flux2FeedForward")
+def _flux2_feed_forward(module: nn.Module) -> Mapping[str, Layout]:
+    """``act_fn(linear_in(x))`` with ``Flux2SwiGLU``: ``x[..., :half]`` (gate), ``x[..., half:]`` (up)."""
+    w = tensor(module, "linear_in.weight")
+    if w is None or w.dim() != 2:
+        return {}
+    layout = fused_gate_up(int(w.shape[0]) // 2)
+    return fit(module, {"linear_in.weight": layout, "linear_in.bias": fused_gate_up(int(w.shape[0]) // 2, bias=True)})
 
 
 # -- torchrl ------------------------------------------------------------------------------------------
