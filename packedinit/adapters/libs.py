@@ -1,10 +1,10 @@
-"""Adapters for the fused layers of timm, open_clip, diffusers and torchrl.
+"""Adapters for the fused layers of timm, open_clip, diffusers, x-transformers and torchrl.
 
 Matched by class path, so importing this module never imports any of those libraries:
 every number an adapter needs is read from the module instance. Each layout is the one the
 library's own forward splits the projection by (the forward line is quoted on each adapter),
 and each was checked against that forward in ``tests/test_libs_<library>.py`` with the real
-package (timm 1.0.31, open_clip 3.3.0, diffusers 0.42.1, torchrl 0.14.1).
+package (timm 1.0.31, open_clip 3.3.0, diffusers 0.42.1, x-transformers 2.31.10, torchrl 0.14.1).
 
 open_clip's default ``ResidualAttentionBlock`` holds an ``nn.MultiheadAttention``, which the
 torch.nn adapter already covers; torchrl's ``LSTM`` / ``GRU`` subclass ``nn.RNNBase`` and are
@@ -23,12 +23,13 @@ from packedinit.adapters.hf_common import fit, int_attr, qkv, tensor
 from packedinit.layout import Layout
 from packedinit.model.registry import register
 
-__all__ = ["TIMM", "OPEN_CLIP", "DIFFUSERS", "TORCHRL"]
+__all__ = ["TIMM", "OPEN_CLIP", "DIFFUSERS", "TORCHRL", "X_TRANSFORMERS"]
 
 TIMM = "timm"
 OPEN_CLIP = "open_clip"
 DIFFUSERS = "diffusers.models"
 TORCHRL = "torchrl.modules.tensordict_module.rnn"
+X_TRANSFORMERS = "x_transformers.x_transformers"
 
 
 # -- timm ---------------------------------------------------------------------------------------------
@@ -142,6 +143,34 @@ def _flux2_feed_forward(module: nn.Module) -> Mapping[str, Layout]:
         return {}
     layout = fused_gate_up(int(w.shape[0]) // 2)
     return fit(module, {"linear_in.weight": layout, "linear_in.bias": fused_gate_up(int(w.shape[0]) // 2, bias=True)})
+
+
+# -- x-transformers ---------------------------------------------------------------------------------
+
+
+@register(f"{X_TRANSFORMERS}.GLU")
+def _x_transformers_glu(module: nn.Module) -> Mapping[str, Layout]:
+    """``up, gate = self.proj(x).chunk(2, dim = -1)``: ``[up | gate]``."""
+    w = tensor(module, "proj.weight")
+    if w is None or w.dim() != 2:
+        return {}
+    i = int(w.shape[0]) // 2
+    return fit(module, {"proj.weight": fused_gate_up(i, names=("up", "gate")),
+                        "proj.bias": fused_gate_up(i, names=("up", "gate"), bias=True)})  # fmt: skip
+
+
+@register(f"{X_TRANSFORMERS}.Attention")
+def _x_transformers_attention(module: nn.Module) -> Mapping[str, Layout]:
+    """``on_attn`` ("attention on attention"): ``to_out = Sequential(Linear(out_dim, 2 * dim_out), nn.GLU())``;
+    ``nn.GLU`` is ``a * sigmoid(b)`` on ``[a | b]``. Otherwise nothing is packed (q, k, v are separate)."""
+    to_out = getattr(module, "to_out", None)
+    if not (isinstance(to_out, nn.Sequential) and len(to_out) == 2 and isinstance(to_out[1], nn.GLU)):
+        return {}
+    w = tensor(module, "to_out.0.weight")
+    if w is None or w.dim() != 2 or to_out[1].dim not in (-1, 1):
+        return {}
+    i = int(w.shape[0]) // 2
+    return fit(module, {"to_out.0.weight": Layout(0, [i, i], names=("value", "gate"))})
 
 
 # -- torchrl ------------------------------------------------------------------------------------------
