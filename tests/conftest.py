@@ -143,6 +143,24 @@ class Story:
                 assert report[n].verdict == "per-block", (n, report[n].verdict, report[n].detail)
 
     @staticmethod
+    def meta_flow_matches(make: Callable[[], nn.Module], min_numel: int = 512) -> None:
+        """meta -> ``to_empty`` -> ``reset_parameters`` against a normal build: every parameter of at least
+        ``min_numel`` values within 15% in std (smaller ones are too noisy to compare from one draw),
+        and every parameter set (nothing left as ``to_empty``'s garbage: finite everywhere)."""
+        torch.manual_seed(0)
+        built = make()
+        with torch.device("meta"):
+            model = make()
+        packedinit.to_empty(model, device="cpu")
+        packedinit.reset_parameters(model)
+        pairs = zip(built.named_parameters(), model.named_parameters(), strict=True)
+        for (n, a), (_, b) in pairs:
+            assert bool(torch.isfinite(b).all()), n
+            if a.numel() >= min_numel:
+                sa, sb = float(a.detach().std()), float(b.detach().std())
+                assert abs(sb - sa) <= 0.15 * sa + 1e-12, (n, sa, sb)
+
+    @staticmethod
     def same_layout(a: object, b: object) -> bool:
         """Two layouts split the same rows (block names aside)."""
         assert isinstance(a, packedinit.Layout)

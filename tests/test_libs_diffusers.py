@@ -108,3 +108,9 @@ def test_fix_torch_defaults_builds_per_block_and_identical_elsewhere(make: str, 
 def test_chunked_is_per_block(make: str, lib: Any, story: Any) -> None:
     model = {"flux": _flux, "flux2": _flux2, "cross": _cross}[make](lib)
     story.chunked_is_per_block(model, torch.nn.init.xavier_uniform_)
+
+
+@pytest.mark.parametrize("make", ["flux", "flux2"])
+def test_the_meta_flow_builds_what_construction_builds(make: str, lib: Any, story: Any) -> None:
+    """diffusers' Flux models keep torch's defaults (no init entry point): the meta flow rebuilds them."""
+    story.meta_flow_matches(lambda: _flux(lib, fused=False) if make == "flux" else _flux2(lib))

@@ -92,3 +92,9 @@ def test_fix_torch_defaults_builds_per_block_and_identical_elsewhere(kind: str, 
 @pytest.mark.parametrize("kind", KINDS)
 def test_chunked_is_per_block(kind: str, lib: Any, story: Any) -> None:
     story.chunked_is_per_block(_makers(lib)[kind](), torch.nn.init.orthogonal_)
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "LSTMCell", "GRUCell"])
+def test_the_meta_flow_builds_what_construction_builds(kind: str, lib: Any, story: Any) -> None:
+    """torchrl has no init entry point of its own: meta -> to_empty -> reset_parameters is torch's RNN default."""
+    story.meta_flow_matches(_makers(lib, hidden=64)[kind])
