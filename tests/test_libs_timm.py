@@ -107,3 +107,15 @@ def test_fix_torch_defaults_builds_per_block_and_identical_elsewhere(name: str, 
 @pytest.mark.parametrize("name", NAMES)
 def test_chunked_is_per_block(name: str, lib: Any, story: Any) -> None:
     story.chunked_is_per_block(_models(lib)[name](), torch.nn.init.xavier_uniform_)
+
+
+def test_the_read_only_calls_leave_a_timm_model_as_it_was(lib: Any) -> None:
+    model = _maxxvit(lib, True).eval()
+    values = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    packedinit.layouts(model)
+    packedinit.audit(model)
+    packedinit.infer_layouts(model, torch.zeros(2, 3, IMG, IMG))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(t, values[n]) for n, t in model.state_dict().items())
+    assert not model.training
