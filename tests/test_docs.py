@@ -155,3 +155,27 @@ def test_user_docs_speak_of_no_internal_issue_numbers(path: str) -> None:
     text = (ROOT / path if path == "README.md" else PAGES / path).read_text()
     found = [m.group(0) for m in _OWN_ISSUE.finditer(text)]
     assert not found, f"{path}: say what changed instead of {found[:5]}"
+
+
+def _library_blocks() -> list[Any]:
+    """libraries.md's snippets, one per library: (the library it imports besides torch and packedinit, the code)."""
+    params = []
+    for code in _python_blocks("libraries.md"):
+        names = {m for m in re.findall(r"^(?:import|from) (\w+)", code, flags=re.MULTILINE)} - {"torch", "packedinit"}
+        assert len(names) == 1, code
+        library = names.pop()
+        params.append(pytest.param(library, code, id=library))
+    return params
+
+
+@pytest.mark.parametrize(("library", "code"), _library_blocks())
+def test_libraries_page_snippets_run(library: str, code: str, lib: Any) -> None:
+    """Each library's snippet runs where the library is installed (.ci/libs), and skips, naming it, elsewhere."""
+    for module in re.findall(r"^(?:import|from) ([\w.]+)", code, flags=re.MULTILINE):
+        if module.split(".")[0] == library:  # imported first, through the torchvision shim, its import warnings
+            lib(module)  # silenced; the snippet's own import then finds it
+    exec(compile(code, "libraries.md", "exec"), {"__name__": "__docs__"})  # our own page's example
+
+
+def test_libraries_page_has_one_snippet_per_library() -> None:
+    assert [p.values[0] for p in _library_blocks()] == ["timm", "torchtitan", "diffusers", "open_clip", "torchrl"]

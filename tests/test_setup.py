@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CI = (ROOT / ".ci" / "run").read_text()
 LOCAL = {"packedinit", "benchmarks", "tests", "conftest", "typing_check", "make_figures"}
 LOCAL |= {p.stem for p in (ROOT / "tests").glob("_*.py")}  # the tests' private helpers (_dist_worker, _tv_ops, ...)
+LOCAL.add("torchvision_shim")  # tests/torchvision_shim.py, imported by tests/_tv_ops.py
 
 
 def _norm(name: str) -> str:
@@ -121,3 +122,25 @@ def test_ci_fails_when_pytest_ran_no_test(tmp_path: Path, tests: int, failures: 
     )
     rc = subprocess.run([sys.executable, "-c", code, str(xml)], capture_output=True).returncode
     assert (rc == 0) is passes
+
+
+def test_the_library_tests_libraries_are_installed_by_ci() -> None:
+    """Every library tests/test_libs_*.py loads (``lib("...")``) is in the ``libs`` extra or .ci/libs.txt, and
+    .ci/run runs .ci/libs, which installs both and runs those files with a missing library failing."""
+    loaded = set()
+    for path in ROOT.glob("tests/test_libs_*.py"):
+        loaded |= {m.split(".")[0] for m in re.findall(r'lib\("([\w.]+)"\)', path.read_text())}
+    assert loaded == {"timm", "torchtitan", "diffusers", "open_clip", "torchrl", "x_transformers"}
+    pinned = {
+        _norm(line.split("==")[0])
+        for line in (ROOT / ".ci" / "libs.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    }
+    distribution = {"open_clip": "open-clip-torch", "x_transformers": "x-transformers"}
+    assert {_norm(distribution.get(m, m)) for m in loaded} <= _extra("libs") | pinned
+    libs = (ROOT / ".ci" / "libs").read_text()
+    assert "bash .ci/libs" in CI
+    assert "-e '.[test,libs]'" in libs
+    assert "--no-deps -r .ci/libs.txt" in libs
+    assert "PACKEDINIT_REQUIRE_LIBS=1" in libs
+    assert "tests/test_libs_*.py" in libs

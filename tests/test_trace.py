@@ -180,3 +180,11 @@ def test_tracer_agrees_with_the_gpt2_adapter_and_flags_an_unclaimed_split() -> N
 def test_same_blocks_ignores_names_and_one_block_layouts() -> None:
     assert same_blocks(Layout(1, [8], transposed=True), None)
     assert not same_blocks(Layout(0, [4, 4]), Layout(1, [4, 4]))
+
+
+def test_nn_glu_splits_its_input_in_two_blocks() -> None:
+    """``nn.GLU`` (x-transformers' attention-on-attention ``to_out``) is ``a * sigmoid(b)`` on ``[a | b]``."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.GLU())
+    found = packedinit.infer_layouts(model, torch.randn(2, 8))
+    assert found["0.weight"].verdict == "packed"
+    assert found["0.weight"].layout == packedinit.Layout(0, [6, 6])

@@ -1,4 +1,4 @@
-"""Built-in adapters (torch.nn, transformers-style fused layers by class path) and user helpers.
+"""Built-in adapters (torch.nn; transformers, timm, open_clip, diffusers, torchrl, torchtitan by class path).
 
 Importing this package registers nothing. ``packedinit`` hands :func:`register_builtins` to
 the registry (:func:`packedinit.model.registry.set_builtin_loader`), which calls it once, on its
@@ -17,7 +17,12 @@ from types import ModuleType
 __all__ = ["BUILTIN_MODULES", "register_builtins"]
 
 #: The built-in adapter modules, in registration order.
-BUILTIN_MODULES = ("packedinit.adapters.torch_nn", "packedinit.adapters.hf")
+BUILTIN_MODULES = (
+    "packedinit.adapters.torch_nn",
+    "packedinit.adapters.hf",
+    "packedinit.adapters.libs",
+    "packedinit.adapters.titan",
+)
 #: The built-in adapter modules that must import (torch.nn's); the others may lack an optional dependency.
 REQUIRED_MODULES = frozenset({"packedinit.adapters.torch_nn"})
 

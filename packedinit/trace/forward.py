@@ -244,6 +244,11 @@ class _Tracer(TorchFunctionMode):
         if name == "view_as_real" and isinstance(out, Tensor):
             self._tag(out, weight, labels.unsqueeze(-1).expand(out.shape))
             return
+        if name == "glu":  # F.glu / nn.GLU: a * sigmoid(b) on the two halves of dim, so two blocks
+            dim = args[1] if len(args) > 1 else kwargs.get("dim", -1)
+            for half in labels.chunk(2, dim):
+                self._piece(weight, labels, half)
+            return
         if name in _SHAPE_METHODS:
             sub = func(labels, *args[1:], **kwargs)
             outs = out if isinstance(out, (tuple, list)) else (out,)
