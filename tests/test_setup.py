@@ -16,7 +16,6 @@ ROOT = Path(__file__).resolve().parent.parent
 CI = (ROOT / ".ci" / "run").read_text()
 LOCAL = {"packedinit", "benchmarks", "tests", "conftest", "typing_check", "make_figures"}
 LOCAL |= {p.stem for p in (ROOT / "tests").glob("_*.py")}  # the tests' private helpers (_dist_worker, _tv_ops, ...)
-LOCAL.add("torchvision_shim")  # tests/torchvision_shim.py, imported by tests/_tv_ops.py
 
 
 def _norm(name: str) -> str:
