@@ -3,6 +3,7 @@ whether the init in use is affected), and no false alarm on an MLP expansion or 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -229,7 +230,8 @@ def test_looks_packed_never_splits_the_expert_dim_and_the_line_pastes() -> None:
     assert "batch_dims=1" in guess.annotate
     exec(guess.annotate, {"packedinit": packedinit, "model": model})  # paste the printed line
     torch.manual_seed(0)
-    packedinit.chunked(init.xavier_uniform_)(model)
+    with pytest.warns(packedinit.LayoutWarning, match=r"'0\.down_proj' \(4, 32, 16\) \(a stack of 4 matrices"):
+        packedinit.chunked(init.xavier_uniform_)(model)  # the unannotated stack is named, never silent
     top = float(model[0].gate_up_proj.detach()[0, :16].abs().max())
     assert 0.9 * (6 / 48) ** 0.5 < top <= (6 / 48) ** 0.5  # each expert's gate: (16, 32)
 

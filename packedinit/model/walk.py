@@ -25,11 +25,13 @@ from torch import Tensor, nn
 
 from packedinit.engine.chunks import Chunks
 from packedinit.engine.lean import call
-from packedinit.engine.traits import fn_name
+from packedinit.engine.traits import fn_name, reads_fans
 from packedinit.errors import PackedInitError
 from packedinit.layout import Layout
 from packedinit.model.claims import own_layouts, resolve
+from packedinit.model.found import end_pass, own_forward
 from packedinit.model.held import through_parametrizations, write_entries
+from packedinit.model.marks import annotations_of
 from packedinit.model.steps import CHECKED, call_key, tensor_key
 from packedinit.torch_compat import apply_ancestors as frames_from_apply
 from packedinit.torch_compat import param_dict
@@ -51,7 +53,8 @@ def init_tree(
     kwargs: Mapping[str, Any],
 ) -> None:
     """Every distinct parameter with ``dim >= 2`` of ``model``, packed ones per block; all checked first."""
-    entries, swaps = through_parametrizations(model.modules(), resolve(model), init_fn)
+    found = resolve(model, f"chunked({fn_name(init_fn)})(model)", loud=reads_fans(init_fn))
+    entries, swaps = through_parametrizations(model.modules(), found, init_fn)
     write_entries(entries, swaps, init_fn, args, kwargs)
 
 
@@ -76,8 +79,20 @@ def _init_own(
 ) -> None:
     own = [(n, p) for n, p in param_dict(module).items() if p is not None and p.dim() >= 2]
     if not own:
+        if not ancestors:
+            end_pass(module)
         return
-    lays = own_layouts(module, ancestors)
+    idiom = f"model.apply(chunked({fn_name(init_fn)}))"
+    lays = own_forward(
+        ancestors[-1] if ancestors else module,
+        own,
+        own_layouts(module, ancestors),
+        annotations_of(module),
+        module=module,
+        whole=lambda root: resolve(root, idiom, loud=reads_fans(init_fn)),
+        idiom=idiom,
+        loud=reads_fans(init_fn),
+    )
     prefix = type(module).__name__
     head = call_key(init_fn, args, kwargs) if not lays else None
     if head is not None:  # nothing packed: where an equal parameter passed every check of each one, just call
@@ -225,8 +240,10 @@ def init_model(
         raise PackedInitError(f"init_model(model, ...) needs an nn.Module, got {type(model).__name__}.")
     if not callable(init_fn):
         raise PackedInitError(f"init_model(model, init_fn): init_fn must be callable, got {type(init_fn).__name__}.")
-    entries = resolve(model)
+    idiom = f"init_model(model, {fn_name(init_fn)})"
     if modules is not None or params is not None:
+        kept = select(model, resolve(model), modules, params)
+        entries = resolve(model, idiom, loud=reads_fans(init_fn), only={id(p) for _, p, _ in kept})
         kept = select(model, entries, modules, params)
         if not any(p.dim() - (lay.batch_dims if lay is not None else 0) >= 2 for _, p, lay in kept):
             names = [n for n, p, _ in entries if p.dim() >= 2][:8]
@@ -235,6 +252,8 @@ def init_model(
                 f"the filters keep no parameter with dim >= 2; nothing was written. Parameters it has: {names}."
             )
         entries = kept
+    else:
+        entries = resolve(model, idiom, loud=reads_fans(init_fn))
     entries, swaps = through_parametrizations(model.modules(), entries, init_fn)
     write_entries(entries, swaps, init_fn, args, kwargs)
     return model

@@ -380,6 +380,9 @@ def _verdict(name: str, tracer: _Tracer) -> Inferred:
             "(einsum, a fused kernel, or not at all on this input)",
         )  # fmt: skip
     layout = layout_of_labels(_blocks(w), w.dim, w.transposed, w.batch_dims)
+    if layout is None and w.batch_dims:  # a stack of matrices, each used whole: per-matrix fans
+        stack = Layout(w.dim + w.batch_dims, [w.rows], transposed=w.transposed, batch_dims=w.batch_dims)
+        return Inferred("packed", stack, f"a stack of matrices, each used whole ({w.rows} features)")
     if layout is None:
         return Inferred("not packed", None, f"its output ({w.rows} features) is used whole")
     return Inferred("packed", layout, f"the forward splits its {w.rows} output features into {len(layout.sizes)} "

@@ -1,0 +1,80 @@
+"""The tracer as the idioms use it: inputs built from the model, moved to its device, nothing left changed.
+
+:func:`trace_model` is what ``packedinit`` installs in :mod:`packedinit.model.found`: it traces a
+model on the inputs given (or built by :func:`~packedinit.trace.inputs.example_inputs`) with the
+model in eval mode and every RNG state saved and restored, so the idioms' results do not depend
+on whether a trace ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from packedinit.errors import PackedInitError
+from packedinit.trace.forward import Inferred, infer_layouts
+from packedinit.trace.inputs import example_inputs
+
+__all__ = ["trace_model"]
+
+
+@contextlib.contextmanager
+def _untouched(model: nn.Module) -> Iterator[None]:
+    """Eval mode and saved RNG states for the trace; flags and RNG states restored after."""
+    flags = [(m, m.training) for m in model.modules()]
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]  # torch leaves it untyped
+    try:
+        model.eval()
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _device(model: nn.Module) -> torch.device | None:
+    for p in model.parameters():
+        return p.device
+    return None
+
+
+def _moved(value: Any, device: torch.device | None) -> Any:
+    if device is not None and isinstance(value, Tensor) and value.device != device:
+        return value.to(device)
+    return value
+
+
+def trace_model(
+    model: nn.Module, args: tuple[Any, ...] | None, kwargs: Mapping[str, Any]
+) -> dict[str, Inferred] | None:
+    """What the forward shows about ``model``; ``args=None``: on inputs built from it (None: none, or it failed).
+
+    Examples:
+        >>> import torch
+        >>> trace_model(torch.nn.Linear(2, 2), None, {}) is None  # no inputs can be built
+        True
+        >>> trace_model(torch.nn.Linear(2, 2), (torch.ones(1, 2),), {})["weight"].verdict
+        'not packed'
+    """
+    built = args is None
+    if args is None:
+        got = example_inputs(model)
+        if got is None:
+            return None
+        device = _device(model)
+        args = tuple(_moved(a, device) for a in got[0])
+        kwargs = {k: _moved(v, device) for k, v in got[1].items()}
+    with _untouched(model):
+        try:
+            return infer_layouts(model, *args, **kwargs)
+        except PackedInitError:
+            if built:
+                return None  # the idioms then name what looks packed
+            raise
