@@ -226,7 +226,7 @@ def annotate(module: Mod, *example_inputs: Any, **param_layouts: Any) -> Mod:
     before anything is recorded.
 
     With example inputs (``annotate(model, *inputs, **input_kwargs)``: positional inputs, or
-    keywords that are not Layouts), the forward runs once under the tracer
+    keywords whose values are tensors), the forward runs once under the tracer
     (:func:`packedinit.infer_layouts`, read-only) and every weight it shows packed is stamped,
     except where an adapter says otherwise (a :class:`~packedinit.LayoutWarning` names it); the
     trace is kept, so the whole-model idioms do not trace again.
@@ -239,7 +239,7 @@ def annotate(module: Mod, *example_inputs: Any, **param_layouts: Any) -> Mod:
         module: the module instance.
         *example_inputs: positional inputs of ``module(...)``: trace the forward.
         **param_layouts: ``name=Layout`` (or ``None``) per parameter, relative to ``module``;
-            with example inputs (or values that are not Layouts), keyword inputs of ``module(...)``.
+            with positional example inputs (or tensor values), keyword inputs of ``module(...)``.
 
     Returns:
         ``module`` itself.
@@ -272,7 +272,7 @@ def annotate(module: Mod, *example_inputs: Any, **param_layouts: Any) -> Mod:
     """
     if not isinstance(module, nn.Module):
         raise PackedInitError(f"annotate(module, ...) needs an nn.Module, got {type(module).__name__}.")
-    traced = bool(example_inputs) or any(v is not None and not isinstance(v, Layout) for v in param_layouts.values())
+    traced = bool(example_inputs) or any(isinstance(v, Tensor) for v in param_layouts.values())
     if traced:
         return _annotate_traced(module, example_inputs, param_layouts)
     stamps: dict[int, tuple[nn.Module, dict[str, Layout | None]]] = {}

@@ -172,9 +172,12 @@ def own_forward(
             entries.append((hit[0], p, lays.get(id(p)), kind))
     if entries:
         out = dict(lays)
+        said = False
         try:
             merged = merge(root, entries, seen.found, idiom=idiom, loud=loud, warn=False)
         except _LoudError:
+            said = True
+        if said:
             if not seen.warned:  # once per apply pass, for the whole tree: one warning, one line
                 whole(root)
                 seen.warned = True

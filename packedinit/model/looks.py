@@ -8,8 +8,10 @@ see :mod:`packedinit.model.found`) and by the audit's "looks packed" list
   word: ``qkv`` / ``wqkv`` / ``c_attn`` / ``in_proj`` / ``query_key_value`` (3 blocks),
   ``gate_up`` / ``up_gate`` / ``w13`` / ``w1_3`` (2 blocks), ``kv`` as a word, ``kv_proj``,
   ``to_kv`` (2 blocks). The packed dim must divide evenly.
-- **Stack.** A parameter of 3 or more dims outside a conv layer is a stack of matrices (MoE
-  experts): dim 0 indexes independent matrices (a batch dim, never split).
+- **Stack.** A 3-D parameter outside a conv layer, with 2 or more matrices and a projection or
+  expert word in its name (``experts``, ``proj``, ``linear``, ``gate``, ``up``, ``down``, ``w1``,
+  ``fc``) is a stack of matrices (MoE experts): dim 0 indexes independent matrices (a batch dim,
+  never split). A name word alone decides the blocks within each matrix.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ __all__ = ["by_name", "layout_repr", "annotate_line", "name_guess"]
 _QKV = re.compile(r"qkv|c_attn|in_proj|query_key_value")
 _GATE_UP = re.compile(r"gate_up|up_gate|w13|w1_3|fc13")
 _KV = re.compile(r"(^|_)w?kv($|_)|kv_proj|to_kv")
+#: words in the name of an expert stack's weight (or of its modules)
+_STACK = re.compile(r"expert|moe|proj|linear|gate|(^|[._])(up|down|w[123]|fc[12]?)($|[._])")
 
 
 def by_name(word: str) -> tuple[int, tuple[str, ...] | None, str] | None:
@@ -88,7 +92,7 @@ def name_guess(fqn: str, p: Tensor, module: nn.Module | None) -> tuple[Layout, s
         >>> name_guess("experts.down", torch.empty(8, 4, 6), None)[0]
         Layout(dim=1, sizes=(4,), batch_dims=1)
     """
-    if p.dim() < 2:
+    if p.dim() < 2 or "parametrizations." in fqn:  # an original: its parametrized weight is what is packed
         return None
     leaf = fqn.rpartition(".")[2]
     attr = fqn.rpartition(".")[0].rpartition(".")[2]
@@ -103,7 +107,7 @@ def name_guess(fqn: str, p: Tensor, module: nn.Module | None) -> tuple[Layout, s
         if batch:
             why += f"; dim 0 ({int(p.shape[0])}) indexes stacked matrices and is not split"
         return Layout(dim, [size // k] * k, transposed=transposed, batch_dims=batch, names=names), why
-    if batch:
+    if batch and p.dim() == 3 and int(p.shape[0]) > 1 and _STACK.search(fqn.lower()):
         why = f"a stack of {int(p.shape[0])} matrices {tuple(p.shape[1:])} (dim 0 indexes them)"
         return Layout(dim, [size], batch_dims=batch), why
     return None

@@ -73,8 +73,9 @@ def trace_model(
         kwargs = {k: _moved(v, device) for k, v in got[1].items()}
     with _untouched(model):
         try:
-            return infer_layouts(model, *args, **kwargs)
+            found = infer_layouts(model, *args, **kwargs)
         except PackedInitError:
             if built:
                 return None  # the idioms then name what looks packed
             raise
+    return found

@@ -145,7 +145,9 @@ class _Tracer(TorchFunctionMode):
         transposed = (use != "linear") != ref.swapped
         w = self.weights.get(ref.name)
         if w is None:
-            w = self.weights[ref.name] = _Weight(ref.name, rows, dim, transposed, ref.batch_dims)
+            # a whole stack (n, a, b) handed to bmm / matmul: its leading dims index the matrices
+            batch = ref.batch_dims or len(shape) - 2
+            w = self.weights[ref.name] = _Weight(ref.name, rows, dim, transposed, batch)
         w.uses.add(use)
         lab = torch.arange(rows).view([rows if i == (axis % out.dim()) else 1 for i in range(out.dim())])
         self._tag(out, ref.name, lab.expand(out.shape))
