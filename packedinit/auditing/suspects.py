@@ -33,9 +33,9 @@ from torch import Tensor, nn
 
 from packedinit.layout import Layout
 from packedinit.model.claims import annotations_of
-from packedinit.model.looks import annotate_line, by_name
+from packedinit.model.found import Finding
+from packedinit.model.looks import annotate_line, by_name, parts
 from packedinit.model.registry import lookup
-from packedinit.trace.forward import Inferred
 
 __all__ = ["Guess", "guesses"]
 
@@ -111,7 +111,7 @@ def _covered(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module | Non
             stack.append((f"{path}.{n}" if path else n, child, mod))
 
 
-def _traced(fqn: str, p: Tensor, mod: nn.Module, path: str, found: Inferred) -> Guess:
+def _traced(fqn: str, p: Tensor, mod: nn.Module, path: str, found: Finding) -> Guess:
     layout = found.layout
     assert layout is not None
     entries = [(fqn, layout)]
@@ -123,7 +123,7 @@ def _traced(fqn: str, p: Tensor, mod: nn.Module, path: str, found: Inferred) -> 
 
 
 def guesses(
-    model: nn.Module, described: Collection[str], traced: Mapping[str, Inferred] | None = None
+    model: nn.Module, described: Collection[str], traced: Mapping[str, Finding] | None = None
 ) -> list[Guess]:
     """The parameters of ``model`` that look packed and that no layout in ``described`` covers.
 
@@ -162,6 +162,7 @@ def guesses(
                     continue
                 k, why = shaped
                 names = None
+            k, names = parts(k, names, p, dim, transposed)
             size = int(p.shape[dim])
             if size % k or size < k:
                 continue

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from packedinit.layout import Layout
 
-__all__ = ["by_name", "layout_repr", "annotate_line", "name_guess"]
+__all__ = ["by_name", "parts", "layout_repr", "annotate_line", "name_guess"]
 
 _QKV = re.compile(r"qkv|c_attn|in_proj|query_key_value")
 _GATE_UP = re.compile(r"gate_up|up_gate|w13|w1_3|fc13")
@@ -46,6 +46,22 @@ def by_name(word: str) -> tuple[int, tuple[str, ...] | None, str] | None:
         if m is not None:
             return k, names, f"name {word!r} ({m.group(0).strip('_')})"
     return None
+
+
+def parts(
+    k: int, names: tuple[str, ...] | None, p: Tensor, dim: int, transposed: bool
+) -> tuple[int, tuple[str, ...] | None]:
+    """``(k, names)``, except that a ``qkv`` twice as long as its input holds two blocks, ``[k | v]`` (gcvit).
+
+    Examples:
+        >>> import torch
+        >>> parts(3, ("q", "k", "v"), torch.empty(96, 48), 0, False)
+        (2, ('k', 'v'))
+    """
+    other = dim - 1 if transposed else dim + 1
+    if k == 3 and 0 <= other < p.dim() and int(p.shape[dim]) == 2 * int(p.shape[other]):
+        return 2, ("k", "v")
+    return k, names
 
 
 def layout_repr(layout: Layout) -> str:
@@ -102,8 +118,9 @@ def name_guess(fqn: str, p: Tensor, module: nn.Module | None) -> tuple[Layout, s
     dim = (1 if transposed else 0) + batch
     found = by_name(leaf) or (by_name(attr) if attr else None)
     size = int(p.shape[dim])
-    if found is not None and size % found[0] == 0 and size >= found[0]:
-        k, names, why = found
+    k, names = parts(found[0], found[1], p, dim, transposed) if found is not None else (0, None)
+    if found is not None and size % k == 0 and size >= k:
+        why = found[2]
         if batch:
             why += f"; dim 0 ({int(p.shape[0])}) indexes stacked matrices and is not split"
         return Layout(dim, [size // k] * k, transposed=transposed, batch_dims=batch, names=names), why
