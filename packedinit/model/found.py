@@ -14,6 +14,7 @@ a :class:`~packedinit.errors.LayoutWarning`), then the forward. A weight that lo
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 import weakref
@@ -66,14 +67,17 @@ _same: Same | None = None
 _lock = threading.Lock()
 
 
+#: one parameter in the ``model.apply`` index: (weakref to it, name, finding, name guess); only the
+#: weights the forward shows packed or cannot follow, or that look packed, carry a name
+_Entry: TypeAlias = "tuple[weakref.ref[Tensor], str | None, Finding | None, tuple[Layout, str] | None]"
+
+
 @dataclass
 class _Seen:
     found: Mapping[str, Finding] | None
-    # the model.apply path: {id(param): (name, finding or None, guess or None)} for the weights that
-    # the forward shows packed or cannot follow, or that look packed; built once (again when the
-    # model's first parameter is another object: to_empty, load_state_dict(assign=True))
-    index: dict[int, tuple[str, Finding | None, tuple[Layout, str] | None]] | None = None
-    first: int = 0
+    # the model.apply path: {id(param): _Entry} for every parameter, built once (again when a parameter
+    # is another object than the one indexed: to_empty, load_state_dict(assign=True))
+    index: dict[int, _Entry] | None = None
     warned: bool = False  # in this model.apply pass
 
 
@@ -118,59 +122,69 @@ def findings(model: nn.Module) -> Mapping[str, Finding] | None:
     return found
 
 
-def _index(root: nn.Module, seen: _Seen) -> dict[int, tuple[str, Finding | None, tuple[Layout, str] | None]]:
-    first = next(iter(root.parameters()), None)
-    if seen.index is not None and id(first) == seen.first:
-        return seen.index
+def _index(root: nn.Module, seen: _Seen) -> dict[int, _Entry]:
     found = seen.found or {}
     modules = dict(root.named_modules())
-    index: dict[int, tuple[str, Finding | None, tuple[Layout, str] | None]] = {}
+    index: dict[int, _Entry] = {}
     for name, p in root.named_parameters():
         hit = found.get(name)
-        if hit is not None and hit.verdict == "not packed":
-            continue
         guess = None
         if hit is None or hit.verdict == "opaque":
-            guess = name_guess(name, p, modules.get(name.rpartition(".")[0]))
-        if (hit is not None and hit.verdict == "packed") or guess is not None:
-            index[id(p)] = (name, hit, guess)
-    seen.index, seen.first = index, id(first)
+            guess = name_guess(name, p, functools.partial(modules.get, name.rpartition(".")[0]))
+        keep = (hit is not None and hit.verdict == "packed") or guess is not None
+        index[id(p)] = (weakref.ref(p), name, hit, guess) if keep else (weakref.ref(p), None, None, None)
+    seen.index = index
     return index
+
+
+def _seen(model: nn.Module) -> _Seen:
+    with _lock:
+        seen = _cache.get(model)
+    if seen is None:
+        findings(model)
+        with _lock:
+            seen = _cache.setdefault(model, _Seen(None))
+    return seen
 
 
 def own_forward(
     root: nn.Module,
     own: Sequence[tuple[str, Tensor]],
     lays: dict[int, Layout | None],
-    annotated: Collection[str],
+    annotated: Callable[[], Collection[str]],
     *,
     module: nn.Module,
     whole: Callable[[nn.Module], object],
-    idiom: str,
-    loud: bool = True,
+    context: Callable[[], tuple[str, bool]],
 ) -> dict[int, Layout | None]:
     """``lays`` (``module``'s own claimed layouts, the ``model.apply`` path) with the forward's filled in.
 
     ``root`` is the module ``apply`` was called on: it is traced (once, kept) and its names are
     the ones the warnings give. Where there is something to say, ``whole(root)`` (the whole-tree
-    resolve) says it, once per ``apply`` pass.
+    resolve) says it, once per ``apply`` pass. ``context()``: the idiom's name and whether its
+    init function reads fans (asked only where some weight needs it).
     """
-    findings(root)
-    with _lock:
-        seen = _cache.get(root)
-    if seen is None:
-        return lays
-    index = _index(root, seen)
-    if not index:
-        return lays
+    seen = _seen(root)
+    index = seen.index if seen.index is not None else _index(root, seen)
     out = lays
     entries: list[tuple[str, Tensor, Layout | None, str | None]] = []
+    notes: Collection[str] | None = None
+    rebuilt = False
     for leaf, p in own:
         hit = index.get(id(p))
-        if hit is not None:
-            kind = ("annotation" if leaf in annotated else "adapter") if id(p) in lays else None
-            entries.append((hit[0], p, lays.get(id(p)), kind))
+        if (hit is None or hit[0]() is not p) and not rebuilt:  # a parameter replaced since the index was built
+            index, rebuilt = _index(root, seen), True
+            hit = index.get(id(p))
+        if hit is not None and hit[0]() is not p:
+            hit = None
+        if hit is not None and hit[1] is not None:
+            kind = None
+            if id(p) in lays:
+                notes = annotated() if notes is None else notes
+                kind = "annotation" if leaf in notes else "adapter"
+            entries.append((hit[1], p, lays.get(id(p)), kind))
     if entries:
+        idiom, loud = context()
         out = dict(lays)
         said = False
         try:
@@ -250,7 +264,7 @@ def merge(
                 out.append((name, p, seen.layout))
                 continue
         if not quiet and p.dim() >= 2 and (seen is None or seen.verdict == "opaque"):
-            guess = name_guess(name, p, _module_of(model, name))
+            guess = name_guess(name, p, functools.partial(_module_of, model, name))
             if guess is not None:
                 unlaid.append((name, *guess))
         out.append((name, p, None))

@@ -17,6 +17,7 @@ see :mod:`packedinit.model.found`) and by the audit's "looks packed" list
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from torch import Tensor, nn
 
@@ -27,6 +28,8 @@ __all__ = ["by_name", "parts", "layout_repr", "annotate_line", "name_guess"]
 _QKV = re.compile(r"qkv|c_attn|in_proj|query_key_value")
 _GATE_UP = re.compile(r"gate_up|up_gate|w13|w1_3|fc13")
 _KV = re.compile(r"(^|_)w?kv($|_)|kv_proj|to_kv")
+#: any of the words above, anywhere in a qualified name: the cheap first test
+_ANY = re.compile(r"qkv|c_attn|in_proj|query_key_value|gate_up|up_gate|w13|w1_3|fc13|kv", re.IGNORECASE)
 #: words in the name of an expert stack's weight (or of its modules)
 _STACK = re.compile(r"expert|moe|proj|linear|gate|(^|[._])(up|down|w[123]|fc[12]?)($|[._])")
 
@@ -97,19 +100,23 @@ def annotate_line(entries: list[tuple[str, Layout]]) -> str:
     return f"packedinit.annotate(model, {body})"
 
 
-def name_guess(fqn: str, p: Tensor, module: nn.Module | None) -> tuple[Layout, str] | None:
+def name_guess(
+    fqn: str, p: Tensor, module_of: Callable[[], nn.Module | None]
+) -> tuple[Layout, str] | None:
     """The layout a weight ``fqn`` of ``module`` looks packed with by name or as a stack, and why; else None.
 
     Examples:
         >>> import torch
         >>> lin = torch.nn.Linear(4, 12)
-        >>> name_guess("attn.qkv.weight", lin.weight, lin)
+        >>> name_guess("attn.qkv.weight", lin.weight, lambda: lin)
         (Layout(dim=0, sizes=(4, 4, 4), names=('q', 'k', 'v')), "name 'qkv' (qkv)")
-        >>> name_guess("experts.down", torch.empty(8, 4, 6), None)[0]
+        >>> name_guess("experts.down", torch.empty(8, 4, 6), lambda: None)[0]
         Layout(dim=1, sizes=(4,), batch_dims=1)
     """
-    if p.dim() < 2 or "parametrizations." in fqn:  # an original: its parametrized weight is what is packed
-        return None
+    ndim = p.dim()
+    if ndim < 2 or (ndim == 2 and _ANY.search(fqn) is None) or "parametrizations." in fqn:
+        return None  # (an original of a parametrization: its parametrized weight is what is packed)
+    module = module_of()
     leaf = fqn.rpartition(".")[2]
     attr = fqn.rpartition(".")[0].rpartition(".")[2]
     transposed = module is not None and isinstance(getattr(module, "nf", None), int) and p.shape[-1] == module.nf

@@ -17,6 +17,7 @@ the init function against every distinct block shape (a dry run on meta tensors)
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
@@ -82,16 +83,17 @@ def _init_own(
         if not ancestors:
             end_pass(module)
         return
-    idiom = f"model.apply(chunked({fn_name(init_fn)}))"
+    def context() -> tuple[str, bool]:
+        return f"model.apply(chunked({fn_name(init_fn)}))", reads_fans(init_fn)
+
     lays = own_forward(
         ancestors[-1] if ancestors else module,
         own,
         own_layouts(module, ancestors),
-        annotations_of(module),
+        functools.partial(annotations_of, module),
         module=module,
-        whole=lambda root: resolve(root, idiom, loud=reads_fans(init_fn)),
-        idiom=idiom,
-        loud=reads_fans(init_fn),
+        whole=lambda root: resolve(root, context()[0], loud=context()[1]),
+        context=context,
     )
     prefix = type(module).__name__
     head = call_key(init_fn, args, kwargs) if not lays else None
