@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from packedinit.errors import LayoutWarning
 from packedinit.layout import Layout
 from packedinit.model.looks import annotate_line, name_guess
+from packedinit.model.marks import annotations_of
 from packedinit.shapes import fmt_shape
 
 __all__ = [
@@ -78,6 +79,7 @@ class _Seen:
     # the model.apply path: {id(param): _Entry} for every parameter, built once (again when a parameter
     # is another object than the one indexed: to_empty, load_state_dict(assign=True))
     index: dict[int, _Entry] | None = None
+    named: bool = False  # some entry of the index carries a name
     warned: bool = False  # in this model.apply pass
 
 
@@ -109,6 +111,7 @@ def remember(model: nn.Module, found: Mapping[str, Finding] | None) -> None:
     """Keep ``found`` as what the forward shows about ``model`` (weakly: the model's lifetime)."""
     with _lock:
         _cache[model] = _Seen(found)
+        _last.clear()
 
 
 def findings(model: nn.Module) -> Mapping[str, Finding] | None:
@@ -133,17 +136,24 @@ def _index(root: nn.Module, seen: _Seen) -> dict[int, _Entry]:
             guess = name_guess(name, p, functools.partial(modules.get, name.rpartition(".")[0]))
         keep = (hit is not None and hit.verdict == "packed") or guess is not None
         index[id(p)] = (weakref.ref(p), name, hit, guess) if keep else (weakref.ref(p), None, None, None)
-    seen.index = index
+    seen.index, seen.named = index, any(e[1] is not None for e in index.values())
     return index
 
 
+_last: list[tuple[weakref.ref[nn.Module], _Seen]] = []  # the model last asked for: apply asks once per module
+
+
 def _seen(model: nn.Module) -> _Seen:
+    last = _last[0] if _last else None
+    if last is not None and last[0]() is model:
+        return last[1]
     with _lock:
         seen = _cache.get(model)
     if seen is None:
         findings(model)
         with _lock:
             seen = _cache.setdefault(model, _Seen(None))
+    _last[:] = [(weakref.ref(model), seen)]
     return seen
 
 
@@ -151,22 +161,37 @@ def own_forward(
     root: nn.Module,
     own: Sequence[tuple[str, Tensor]],
     lays: dict[int, Layout | None],
-    annotated: Callable[[], Collection[str]],
-    *,
     module: nn.Module,
-    whole: Callable[[nn.Module], object],
-    context: Callable[[], tuple[str, bool]],
+    fn: object,
+    say: Callable[[nn.Module, object, bool], tuple[str, bool]],
 ) -> dict[int, Layout | None]:
     """``lays`` (``module``'s own claimed layouts, the ``model.apply`` path) with the forward's filled in.
 
     ``root`` is the module ``apply`` was called on: it is traced (once, kept) and its names are
-    the ones the warnings give. Where there is something to say, ``whole(root)`` (the whole-tree
-    resolve) says it, once per ``apply`` pass. ``context()``: the idiom's name and whether its
-    init function reads fans (asked only where some weight needs it).
+    the ones the warnings give. ``say(root, fn, whole)`` gives the idiom's name and whether the
+    init function ``fn`` reads fans (asked only where some weight needs it); with ``whole`` it
+    first warns for the whole tree, once per ``apply`` pass.
     """
     seen = _seen(root)
+    try:
+        return _own(root, own, lays, module, fn, say, seen)
+    finally:
+        if module is root:
+            seen.warned = False  # apply visits the root last: the next pass warns again
+
+
+def _own(
+    root: nn.Module,
+    own: Sequence[tuple[str, Tensor]],
+    lays: dict[int, Layout | None],
+    module: nn.Module,
+    fn: object,
+    say: Callable[[nn.Module, object, bool], tuple[str, bool]],
+    seen: _Seen,
+) -> dict[int, Layout | None]:
     index = seen.index if seen.index is not None else _index(root, seen)
-    out = lays
+    if not seen.named:  # nothing in the tree is packed by the forward or looks packed
+        return lays
     entries: list[tuple[str, Tensor, Layout | None, str | None]] = []
     notes: Collection[str] | None = None
     rebuilt = False
@@ -175,30 +200,25 @@ def own_forward(
         if (hit is None or hit[0]() is not p) and not rebuilt:  # a parameter replaced since the index was built
             index, rebuilt = _index(root, seen), True
             hit = index.get(id(p))
-        if hit is not None and hit[0]() is not p:
-            hit = None
-        if hit is not None and hit[1] is not None:
-            kind = None
-            if id(p) in lays:
-                notes = annotated() if notes is None else notes
-                kind = "annotation" if leaf in notes else "adapter"
-            entries.append((hit[1], p, lays.get(id(p)), kind))
-    if entries:
-        idiom, loud = context()
-        out = dict(lays)
-        said = False
-        try:
-            merged = merge(root, entries, seen.found, idiom=idiom, loud=loud, warn=False)
-        except _LoudError:
-            said = True
-        if said:
-            if not seen.warned:  # once per apply pass, for the whole tree: one warning, one line
-                whole(root)
-                seen.warned = True
-            merged = merge(root, entries, seen.found, idiom=idiom, loud=loud, only=(), warn=False)
-        out.update({id(p): lay for _, p, lay in merged if lay is not None or id(p) in lays})
-    if module is root:
-        seen.warned = False  # apply visits the root last: the pass is over
+        if hit is None or hit[1] is None or hit[0]() is not p:
+            continue
+        kind = None
+        if id(p) in lays:
+            notes = annotations_of(module) if notes is None else notes
+            kind = "annotation" if leaf in notes else "adapter"
+        entries.append((hit[1], p, lays.get(id(p)), kind))
+    if not entries:
+        return lays
+    idiom, loud = say(root, fn, False)
+    try:
+        merged = merge(root, entries, seen.found, idiom=idiom, loud=loud, warn=False)
+    except _LoudError:
+        if not seen.warned:  # once per apply pass, for the whole tree: one warning, one line
+            say(root, fn, True)
+            seen.warned = True
+        merged = merge(root, entries, seen.found, idiom=idiom, loud=loud, only=(), warn=False)
+    out = dict(lays)
+    out.update({id(p): lay for _, p, lay in merged if lay is not None or id(p) in lays})
     return out
 
 

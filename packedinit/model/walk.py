@@ -17,7 +17,6 @@ the init function against every distinct block shape (a dry run on meta tensors)
 from __future__ import annotations
 
 import fnmatch
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
@@ -32,7 +31,6 @@ from packedinit.layout import Layout
 from packedinit.model.claims import own_layouts, resolve
 from packedinit.model.found import end_pass, own_forward
 from packedinit.model.held import through_parametrizations, write_entries
-from packedinit.model.marks import annotations_of
 from packedinit.model.steps import CHECKED, call_key, tensor_key
 from packedinit.torch_compat import apply_ancestors as frames_from_apply
 from packedinit.torch_compat import param_dict
@@ -83,17 +81,8 @@ def _init_own(
         if not ancestors:
             end_pass(module)
         return
-    def context() -> tuple[str, bool]:
-        return f"model.apply(chunked({fn_name(init_fn)}))", reads_fans(init_fn)
-
     lays = own_forward(
-        ancestors[-1] if ancestors else module,
-        own,
-        own_layouts(module, ancestors),
-        functools.partial(annotations_of, module),
-        module=module,
-        whole=lambda root: resolve(root, context()[0], loud=context()[1]),
-        context=context,
+        ancestors[-1] if ancestors else module, own, own_layouts(module, ancestors), module, init_fn, _apply_say
     )
     prefix = type(module).__name__
     head = call_key(init_fn, args, kwargs) if not lays else None
@@ -109,6 +98,15 @@ def _init_own(
         (module,), [(f"{prefix}.{n}", p, lays.get(id(p))) for n, p in own], init_fn
     )
     write_entries(entries, swaps, init_fn, args, kwargs)
+
+
+def _apply_say(root: nn.Module, init_fn: object, whole: bool) -> tuple[str, bool]:
+    """For :func:`~packedinit.model.found.own_forward`: the idiom's name, whether ``init_fn`` reads fans;
+    ``whole``: resolve ``root`` with the forward first, which warns for the whole tree."""
+    idiom, loud = f"model.apply(chunked({fn_name(init_fn)}))", reads_fans(init_fn)
+    if whole:
+        resolve(root, idiom, loud=loud)
+    return idiom, loud
 
 
 def module_call(
