@@ -3,12 +3,14 @@
 :func:`trace_model` is what ``packedinit`` installs in :mod:`packedinit.model.found`: it traces a
 model on the inputs given (or built by :func:`~packedinit.trace.inputs.example_inputs`) with the
 model in eval mode and every RNG state saved and restored, so the idioms' results do not depend
-on whether a trace ran.
+on whether a trace ran. On built inputs the result is kept per architecture too (the class, the
+config, the parameters' shapes): a second model built from the same config is not traced again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -64,10 +66,15 @@ def trace_model(
         'not packed'
     """
     built = args is None
+    key: tuple[object, ...] | None = None
     if args is None:
         got = example_inputs(model)
         if got is None:
             return None
+        key = _architecture(model)
+        kept = _BY_ARCHITECTURE.get(key) if key is not None else None
+        if kept is not None:
+            return dict(kept)
         device = _device(model)
         args = tuple(_moved(a, device) for a in got[0])
         kwargs = {k: _moved(v, device) for k, v in got[1].items()}
@@ -78,4 +85,30 @@ def trace_model(
             if built:
                 return None  # the idioms then name what looks packed
             raise
+    if key is not None:
+        with _lock:
+            _BY_ARCHITECTURE[key] = found
+            while len(_BY_ARCHITECTURE) > 64:
+                _BY_ARCHITECTURE.pop(next(iter(_BY_ARCHITECTURE)))
     return found
+
+
+#: What the forward showed, by architecture (class path, config, parameter names and shapes): a second
+#: model built from the same config is not traced again. Only strings and Inferred values are kept.
+_BY_ARCHITECTURE: dict[tuple[object, ...], dict[str, Inferred]] = {}
+_lock = threading.Lock()
+
+
+def _architecture(model: nn.Module) -> tuple[object, ...] | None:
+    """A key for inputs built from the model's config: the class, the config as JSON, every parameter's shape."""
+    config = getattr(model, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    if not callable(to_json):
+        return None
+    try:
+        text = to_json(use_diff=False)
+    except Exception:  # a config that cannot say itself: trace this model on its own
+        return None
+    cls = type(model)
+    shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in model.named_parameters())
+    return (f"{cls.__module__}.{cls.__qualname__}", text, shapes)

@@ -94,7 +94,7 @@ _SUMS = {"add", "sub", "__add__", "__radd__", "__sub__", "__rsub__", "__iadd__",
 
 
 def _rows(labels: Tensor) -> frozenset[int]:
-    return frozenset(int(v) for v in labels.flatten().tolist())
+    return frozenset(torch.unique(labels).tolist())  # unique first: a logits tensor holds millions of labels
 
 
 def _fname(func: Callable[..., Any]) -> str:
