@@ -114,6 +114,13 @@ def remember(model: nn.Module, found: Mapping[str, Finding] | None) -> None:
         _last.clear()
 
 
+def forget(model: nn.Module) -> None:
+    """Drop what was kept of ``model``'s forward: the next whole-model call traces it again."""
+    with _lock:
+        _cache.pop(model, None)
+        _last.clear()
+
+
 def findings(model: nn.Module) -> Mapping[str, Finding] | None:
     """What the forward shows about ``model``'s weights, traced once on inputs built from it; None: no trace."""
     with _lock:

@@ -18,10 +18,11 @@ import torch
 from torch import Tensor, nn
 
 from packedinit.errors import PackedInitError
+from packedinit.model import found
 from packedinit.trace.forward import Inferred, infer_layouts
 from packedinit.trace.inputs import example_inputs
 
-__all__ = ["trace_model"]
+__all__ = ["trace_model", "forget"]
 
 
 @contextlib.contextmanager
@@ -97,6 +98,15 @@ def trace_model(
 #: model built from the same config is not traced again. Only strings and Inferred values are kept.
 _BY_ARCHITECTURE: dict[tuple[object, ...], dict[str, Inferred]] = {}
 _lock = threading.Lock()
+
+
+def forget(model: nn.Module) -> None:
+    """Drop every trace kept of ``model``: its own and its architecture's (the benchmarks' first-call rows)."""
+    key = _architecture(model)
+    with _lock:
+        if key is not None:
+            _BY_ARCHITECTURE.pop(key, None)
+    found.forget(model)
 
 
 def _architecture(model: nn.Module) -> tuple[object, ...] | None:
