@@ -110,6 +110,8 @@ def test_chunked_model_is_per_block_from_the_forward(build: Callable[[], tuple[n
     assert found.findings(model) is kept  # traced once: a second call costs nothing
     model.apply(packedinit.chunked(init.xavier_uniform_))  # the apply idiom reads the same trace
     assert _check(model, oracle) >= 2
+    packedinit.init_model(model, init.xavier_uniform_)
+    assert _check(model, oracle) >= 2
 
 
 def test_an_opaque_expert_stack_is_named_and_the_printed_line_fixes_it() -> None:

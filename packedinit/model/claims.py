@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from packedinit.errors import LayoutWarning, PackedInitError
 from packedinit.layout import Layout
-from packedinit.model.found import findings, merge, same, trace
+from packedinit.model.found import findings, maybe_packed, merge, same, trace
 from packedinit.model.marks import ANNOTATIONS, has_annotations, stamp
 from packedinit.model.marks import annotations_of as stored_annotations
 from packedinit.model.registry import adapter_name, ensure_builtins, key_name, lookup
@@ -160,11 +160,21 @@ def resolve(
             for c in _claims(m, prefix):
                 claimed.setdefault(id(c.param), []).append(c)
     if forward is not None:
-        entries = [
-            (n, p, *((_decide(claimed[k], n), _kind(claimed[k])) if k in claimed else (None, None)))
-            for k, (n, p) in order.items()
-        ]
-        return merge(model, entries, findings(model), idiom=forward, loud=loud, only=only)
+        found = findings(model)
+        names = maybe_packed(model, order.values())
+        out: list[tuple[str, Tensor, Layout | None]] = []
+        todo: list[tuple[int, tuple[str, Tensor, Layout | None, str | None]]] = []
+        for k, (n, p) in order.items():
+            cs = claimed.get(k)
+            lay = _decide(cs, n) if cs else None
+            if (found is not None and n in found) or (cs is None and n in names):
+                todo.append((len(out), (n, p, lay, _kind(cs) if cs else None)))
+            out.append((n, p, lay))
+        if todo:  # only what the forward saw or what looks packed: the rest passes as it is
+            merged = merge(model, [e for _, e in todo], found, idiom=forward, loud=loud, only=only)
+            for (i, _), entry in zip(todo, merged, strict=True):
+                out[i] = entry
+        return out
     if not claimed:
         return [(n, p, None) for n, p in order.values()]
     return [(n, p, _decide(claimed[k], n) if k in claimed else None) for k, (n, p) in order.items()]

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from packedinit.errors import LayoutWarning
 from packedinit.layout import Layout
-from packedinit.model.looks import annotate_line, name_guess
+from packedinit.model.looks import annotate_line, may_look_packed, name_guess
 from packedinit.model.marks import annotations_of
 from packedinit.shapes import fmt_shape
 
@@ -80,6 +80,8 @@ class _Seen:
     # is another object than the one indexed: to_empty, load_state_dict(assign=True))
     index: dict[int, _Entry] | None = None
     named: bool = False  # some entry of the index carries a name
+    # the parameter names that may look packed (looks.may_look_packed), for this many parameters
+    maybe: tuple[int, frozenset[str]] | None = None
     warned: bool = False  # in this model.apply pass
 
 
@@ -139,7 +141,7 @@ def _index(root: nn.Module, seen: _Seen) -> dict[int, _Entry]:
     for name, p in root.named_parameters():
         hit = found.get(name)
         guess = None
-        if hit is None or hit.verdict == "opaque":
+        if (hit is None or hit.verdict == "opaque") and may_look_packed(name, p):
             guess = name_guess(name, p, functools.partial(modules.get, name.rpartition(".")[0]))
         keep = (hit is not None and hit.verdict == "packed") or guess is not None
         index[id(p)] = (weakref.ref(p), name, hit, guess) if keep else (weakref.ref(p), None, None, None)
@@ -162,6 +164,17 @@ def _seen(model: nn.Module) -> _Seen:
             seen = _cache.setdefault(model, _Seen(None))
     _last[:] = [(weakref.ref(model), seen)]
     return seen
+
+
+def maybe_packed(model: nn.Module, params: Collection[tuple[str, Tensor]]) -> frozenset[str]:
+    """The names among ``params`` (all of ``model``'s) that :func:`~packedinit.model.looks.may_look_packed`; kept."""
+    seen = _seen(model)
+    kept = seen.maybe
+    if kept is not None and kept[0] == len(params):
+        return kept[1]
+    names = frozenset(n for n, p in params if may_look_packed(n, p))
+    seen.maybe = (len(params), names)
+    return names
 
 
 def own_forward(
@@ -290,7 +303,7 @@ def merge(
             else:
                 out.append((name, p, seen.layout))
                 continue
-        if not quiet and p.dim() >= 2 and (seen is None or seen.verdict == "opaque"):
+        if not quiet and may_look_packed(name, p) and (seen is None or seen.verdict == "opaque"):
             guess = name_guess(name, p, functools.partial(_module_of, model, name))
             if guess is not None:
                 unlaid.append((name, *guess))

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from packedinit.layout import Layout
 
-__all__ = ["by_name", "parts", "layout_repr", "annotate_line", "name_guess"]
+__all__ = ["by_name", "parts", "layout_repr", "annotate_line", "may_look_packed", "name_guess"]
 
 _QKV = re.compile(r"qkv|c_attn|in_proj|query_key_value")
 _GATE_UP = re.compile(r"gate_up|up_gate|w13|w1_3|fc13")
@@ -98,6 +98,18 @@ def annotate_line(entries: list[tuple[str, Layout]]) -> str:
     else:
         body = "**{" + ", ".join(f"{n!r}: {layout_repr(lay)}" for n, lay in entries) + "}"
     return f"packedinit.annotate(model, {body})"
+
+
+def may_look_packed(fqn: str, p: Tensor) -> bool:
+    """The cheap first test of :func:`name_guess`: False means it returns None.
+
+    Examples:
+        >>> import torch
+        >>> may_look_packed("0.weight", torch.empty(4, 4)), may_look_packed("attn.qkv.weight", torch.empty(6, 2))
+        (False, True)
+    """
+    ndim = p.dim()
+    return ndim >= 3 or (ndim == 2 and _ANY.search(fqn) is not None)
 
 
 def name_guess(
