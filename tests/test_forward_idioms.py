@@ -96,3 +96,51 @@ def test_strict_mode_raises_before_any_write() -> None:
         with pytest.raises(packedinit.LayoutWarning, match=r"look packed"):
             packedinit.chunked(init.xavier_uniform_)(model)
     assert torch.equal(model.blocks[0]["qkv"].weight.detach(), before)
+
+
+class TwoHalves(nn.Module):  # its forward splits qkv [8 | 4 | 4]; the adapter below says [8 | 8]
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).split([8, 4, 4], dim=-1)
+        return q.sum() + (k * v).sum()
+
+
+def test_an_adapter_the_forward_contradicts_is_named_and_kept() -> None:
+    packedinit.register(TwoHalves)(lambda m: {"qkv.weight": Layout(0, [8, 8])})
+    try:
+        model = TwoHalves()
+        with pytest.warns(packedinit.LayoutWarning, match=r"disagree on 'qkv\.weight': the adapter says .*\(8, 8\)"):
+            packedinit.annotate(model, torch.randn(2, 8))
+        with pytest.warns(packedinit.LayoutWarning, match=r"'qkv\.weight' \(16, 8\): the adapter says .*\(8, 8\).* the "
+                          r"forward shows Layout\(dim=0, sizes=\(8, 4, 4\)\)"):  # fmt: skip
+            packedinit.chunked(init.xavier_uniform_)(model)  # the kept trace: no second forward
+        assert packedinit.layouts(model)["qkv.weight"] == Layout(0, [8, 8])  # the adapter stays
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", packedinit.LayoutWarning)  # strict mode: raised, nothing written
+            before = model.qkv.weight.detach().clone()
+            with pytest.raises(packedinit.LayoutWarning, match="disagree"):
+                packedinit.init_model(model, init.xavier_uniform_)
+            assert torch.equal(model.qkv.weight.detach(), before)
+    finally:
+        packedinit.unregister(TwoHalves)
+
+
+def test_a_second_model_of_the_same_transformers_config_is_not_traced_again() -> None:
+    transformers = pytest.importorskip("transformers", reason="a config to build the inputs from")
+    from packedinit.model import found
+    from packedinit.trace import auto
+
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    first, second = transformers.GPT2LMHeadModel(cfg), transformers.GPT2LMHeadModel(cfg)
+    packedinit.chunked(init.xavier_uniform_)(first)
+    kept = found.findings(first)
+    assert kept is not None
+    assert kept["transformer.h.0.attn.c_attn.weight"].layout == Layout(1, [16, 16, 16], transposed=True)
+    before = len(auto._BY_ARCHITECTURE)
+    assert found.findings(second) == kept  # from the architecture's entry
+    assert len(auto._BY_ARCHITECTURE) == before
+    auto.forget(second)
+    assert found.findings(second) == kept  # traced again: the same
