@@ -192,12 +192,16 @@ def own_forward(
     init function ``fn`` reads fans (asked only where some weight needs it); with ``whole`` it
     first warns for the whole tree, once per ``apply`` pass.
     """
-    seen = _seen(root)
+    last = _last[0] if _last else None
+    seen = last[1] if last is not None and last[0]() is root else _seen(root)
+    if module is not root:
+        if seen.index is not None and not seen.named:
+            return lays  # the common case: nothing in the tree needs the forward
+        return _own(root, own, lays, module, fn, say, seen)
     try:
         return _own(root, own, lays, module, fn, say, seen)
     finally:
-        if module is root:
-            seen.warned = False  # apply visits the root last: the next pass warns again
+        seen.warned = False  # apply visits the root last: the next pass warns again
 
 
 def _own(
