@@ -76,9 +76,11 @@ def target_for(kind: str, fn_name: str, max_tensor_numel: int, scale: int, case:
 
     - ``orthogonal_``: per block no slower than whole (``<= 1.00``).
     - (issue 23) transposed storage, GPT-2 ``Conv1D`` / GPT-OSS experts at E >= 1024: ``<= 1.10``;
-      many small ``nn.Linear`` layers, each whole-model idiom: ``<= 1.15``; 10,000 unpacked small
-      tensors: ``<= 1.05``.
-    - whole models: ``chunked(f)(model)`` ``<= 1.10`` x the plain ``for p in params`` loop.
+      10,000 unpacked small tensors: ``<= 1.05``.
+    - (issue 26) many small ``nn.Linear`` layers: ``model.apply(chunked(f))`` ``<= 1.15``, the other
+      whole-model idioms (tracing included) ``<= 1.10``.
+    - whole models: ``chunked(f)(model)`` ``<= 1.10`` x the plain ``for p in params`` loop, the trace
+      of the forward included (``*_traced`` rows pay it on every call).
     - contiguous layouts with a tensor of >= 1M elements: ``<= 1.03``.
     - layouts that need scratch (dim-1, transposed, interleaved) at E >= 1024: ``<= 1.15``.
     """
@@ -86,8 +88,10 @@ def target_for(kind: str, fn_name: str, max_tensor_numel: int, scale: int, case:
         return Target("orthogonal_ per block <= whole", 1.00)
     if case.startswith(("gpt2_conv1d", "moe_gptoss")) and scale >= 1024:
         return Target("transposed storage, E >= 1024: <= 1.10", 1.10)
+    if case.startswith("model_linear") and case.endswith("_apply"):
+        return Target("many small Linear, model.apply(chunked(f)): <= 1.15", 1.15)
     if case.startswith("model_linear"):
-        return Target("many small Linear, each idiom: <= 1.15", 1.15)
+        return Target("many small Linear, whole-model idioms incl. tracing: <= 1.10", 1.10)
     if case == "small_10000x64x64":
         return Target("10,000 unpacked small tensors: <= 1.05", 1.05)
     if kind == "model":

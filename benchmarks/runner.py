@@ -31,6 +31,7 @@ from torch import Tensor
 
 import packedinit
 from packedinit import chunked_init
+from packedinit.trace.auto import forget
 
 from .cases import Case, Materialized, materialize, naive_views
 from .device_plan import device_plan
@@ -192,7 +193,10 @@ def build_variants(m: Materialized, fn_name: str, with_copy: bool = True) -> dic
         idiom = m.case.idiom
 
         def chunked_model() -> None:
-            if idiom == "apply":
+            if idiom == "traced":
+                forget(model)  # the first call on this architecture: the trace is paid again
+                wrapped(model)
+            elif idiom == "apply":
                 model.apply(wrapped)
             elif idiom == "init_model":
                 packedinit.init_model(model, fn)

@@ -16,12 +16,14 @@ from packedinit.auditing.measure import AuditReport, BlockAudit, ParamAudit, Ref
 from packedinit.engine.chunks import Chunks, logical_blocks
 from packedinit.engine.plan import InitFn, InitSpec
 from packedinit.errors import (
+    LayoutWarning,
     PackedInitError,
     PackedInitNotImplementedError,
     PackedInitRuntimeError,
     PackedInitTypeError,
 )
 from packedinit.layout import Layout, LogicalBlock
+from packedinit.model import found as _found
 from packedinit.model import registry as _registry
 from packedinit.model.claims import annotate, layouts
 from packedinit.model.registry import Adapter, register, registered, unregister
@@ -31,9 +33,12 @@ from packedinit.recipes.construction import deferred
 from packedinit.recipes.recurrent import init_recurrent_
 from packedinit.recipes.reset import reset_parameters
 from packedinit.recipes.torch_defaults import fix_torch_defaults
+from packedinit.trace.auto import trace_model as _trace_model
+from packedinit.trace.compare import same_blocks as _same_blocks
 from packedinit.trace.forward import Inferred, infer_layouts
 
 _registry.set_builtin_loader(_register_builtins)  # built-in adapters register on the registry's first use
+_found.set_tracer(_trace_model, _same_blocks)  # the whole-model idioms read layouts from the forward too
 # ``packedinit.audit`` is the module of that name, callable as the audit function (see packedinit/audit.py):
 # ``packedinit.audit(model)`` and ``packedinit.audit.DEFAULT_REFERENCES`` both work.
 importlib.import_module("packedinit.audit")
@@ -49,6 +54,7 @@ __all__ = [
     "InitSpec",
     "ChunkedInit",
     "PackedInitError",
+    "LayoutWarning",
     "chunked",
     "chunked_init",
     "logical_blocks",

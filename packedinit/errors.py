@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "PackedInitError",
+    "LayoutWarning",
     "packed_error",
     "PackedInitTypeError",
     "PackedInitRuntimeError",
@@ -115,3 +116,21 @@ def packed_error(message: str, like: BaseException | None = None) -> PackedInitE
     if like is None or isinstance(like, PackedInitError) or not isinstance(like, Exception):
         return PackedInitError(message)
     return _subclass(type(like))(message)
+
+
+class LayoutWarning(UserWarning):
+    """Warned where packedinit cannot be sure a weight is initialised per block.
+
+    The whole-model idioms (``chunked(f)(model)``, ``model.apply(chunked(f))``,
+    :func:`packedinit.init_model`, :func:`packedinit.reset_parameters`) warn with it when a
+    weight looks packed (a fused name, a stack of matrices) and no adapter, annotation or
+    trace of the forward gives its layout, and when an adapter and the forward disagree. The
+    message names every such weight and gives the ``packedinit.annotate(model, ...)`` line
+    that fixes it. Strict mode is Python's own: ``warnings.simplefilter("error", LayoutWarning)``
+    makes each of them an exception, raised before anything is written.
+
+    Examples:
+        >>> import warnings
+        >>> issubclass(LayoutWarning, UserWarning)
+        True
+    """

@@ -119,6 +119,9 @@ class Controls(nn.Module):
         (Transposed, "weight", Layout(1, [8, 8, 8], transposed=True)),
         (StridedExperts, "gate_up_proj", Layout(2, [1, 1], groups=6, transposed=True, batch_dims=1)),
         (ChunkedExperts, "gate_up_proj", Layout(1, [6, 6], batch_dims=1)),
+        # a stack of matrices, each used whole: one block per expert, with that expert's fans (issue 26)
+        (StridedExperts, "down_proj", Layout(2, [8], transposed=True, batch_dims=1)),
+        (ChunkedExperts, "down_proj", Layout(1, [8], batch_dims=1)),
         (Mla, "kv_a_proj_with_mqa.weight", Layout(0, [6, 2])),
         (Mla, "kv_b_proj.weight", Layout(0, [3, 5], groups=2)),
     ],
@@ -131,8 +134,7 @@ def test_tracer_finds_each_layout_kind(module: type[nn.Module], name: str, expec
 
 @pytest.mark.parametrize(
     ("module", "name"),
-    [(StridedExperts, "down_proj"), (ChunkedExperts, "down_proj")]
-    + [(Controls, n) for n in ("fc1.weight", "fc2.weight", "q_proj.weight")],
+    [(Controls, n) for n in ("fc1.weight", "fc2.weight", "q_proj.weight")],
 )
 def test_tracer_not_packed_controls(module: type[nn.Module], name: str) -> None:
     found = infer_layouts(module(), X)[name]

@@ -46,6 +46,7 @@ from packedinit.auditing.tensors import audit_tensors
 from packedinit.auditing.verdict import Verdict
 from packedinit.errors import PackedInitError
 from packedinit.layout import Layout
+from packedinit.model.found import Finding, findings
 
 __all__ = [
     "AuditReport",
@@ -148,7 +149,8 @@ def audit(
         example_inputs: positional (a tuple) or keyword (a mapping) arguments of
             ``model(...)``: the "looks packed" guesses then come from the forward itself
             (:func:`packedinit.infer_layouts`: uneven and per-head splits, stacked experts),
-            and a weight the forward uses whole is not guessed.
+            and a weight the forward uses whole is not guessed. Without them, a model whose
+            inputs packedinit can build (a transformers model) is traced on those (once, kept).
 
     Returns:
         An :class:`AuditReport`; ``report.affected`` names the parameters whose init ran
@@ -205,7 +207,9 @@ def audit(
     items.sort(key=lambda it: order[it[0]])
     aliases = {first_name[i]: [n for n in ns if n != first_name[i]] for i, ns in names_of.items() if len(ns) > 1}
     lazy = tuple(n for n, p in all_named if isinstance(p, nn.parameter.UninitializedParameter))
-    traced = None
+    traced: Mapping[str, Finding] | None = None
+    if guess and example_inputs is None:
+        traced = findings(model)  # inputs built from the model (a transformers config): traced once, kept
     if guess and example_inputs is not None:
         from packedinit.trace.forward import infer_layouts
 

@@ -26,7 +26,6 @@ k and v, replace the guessed sizes with :func:`packedinit.fused_qkv`.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -34,15 +33,11 @@ from torch import Tensor, nn
 
 from packedinit.layout import Layout
 from packedinit.model.claims import annotations_of
+from packedinit.model.found import Finding
+from packedinit.model.looks import annotate_line, by_name, parts
 from packedinit.model.registry import lookup
-from packedinit.trace.forward import Inferred
 
 __all__ = ["Guess", "guesses"]
-
-_QKV = re.compile(r"qkv|c_attn|in_proj|query_key_value")
-_GATE_UP = re.compile(r"gate_up|up_gate|w13|w1_3|fc13")
-_KV = re.compile(r"(^|_)w?kv($|_)|kv_proj|to_kv")
-
 
 @dataclass(frozen=True)
 class Guess:
@@ -53,42 +48,6 @@ class Guess:
     layout: Layout
     why: str
     annotate: str
-
-
-def _layout_repr(layout: Layout) -> str:
-    args = [str(layout.dim), repr(list(layout.sizes))]
-    if layout.groups != 1:
-        args.append(f"groups={layout.groups}")
-    if layout.batch_dims:
-        args.append(f"batch_dims={layout.batch_dims}")
-    if layout.transposed:
-        args.append("transposed=True")
-    if layout.names is not None:
-        args.append(f"names={tuple(layout.names)!r}")
-    return f"packedinit.Layout({', '.join(args)})"
-
-
-def annotate_line(entries: list[tuple[str, Layout]]) -> str:
-    """A ready-to-paste ``packedinit.annotate(model, ...)`` call for ``(dotted name, layout)`` pairs.
-
-    Examples:
-        >>> print(annotate_line([("blk.qkv.weight", Layout(0, [8, 8, 8], names=("q", "k", "v")))]))
-        packedinit.annotate(model, **{'blk.qkv.weight': packedinit.Layout(0, [8, 8, 8], names=('q', 'k', 'v'))})
-    """
-    if all("." not in n for n, _ in entries):
-        body = ", ".join(f"{n}={_layout_repr(lay)}" for n, lay in entries)
-    else:
-        body = "**{" + ", ".join(f"{n!r}: {_layout_repr(lay)}" for n, lay in entries) + "}"
-    return f"packedinit.annotate(model, {body})"
-
-
-def _by_name(word: str) -> tuple[int, tuple[str, ...] | None, str] | None:
-    w = word.lower()
-    for pattern, k, names in ((_QKV, 3, ("q", "k", "v")), (_GATE_UP, 2, ("gate", "up")), (_KV, 2, ("k", "v"))):
-        m = pattern.search(w)
-        if m is not None:
-            return k, names, f"name {word!r} ({m.group(0).strip('_')})"
-    return None
 
 
 def _linear_like(m: nn.Module) -> tuple[int, int] | None:
@@ -152,7 +111,7 @@ def _covered(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module | Non
             stack.append((f"{path}.{n}" if path else n, child, mod))
 
 
-def _traced(fqn: str, p: Tensor, mod: nn.Module, path: str, found: Inferred) -> Guess:
+def _traced(fqn: str, p: Tensor, mod: nn.Module, path: str, found: Finding) -> Guess:
     layout = found.layout
     assert layout is not None
     entries = [(fqn, layout)]
@@ -164,7 +123,7 @@ def _traced(fqn: str, p: Tensor, mod: nn.Module, path: str, found: Inferred) -> 
 
 
 def guesses(
-    model: nn.Module, described: Collection[str], traced: Mapping[str, Inferred] | None = None
+    model: nn.Module, described: Collection[str], traced: Mapping[str, Finding] | None = None
 ) -> list[Guess]:
     """The parameters of ``model`` that look packed and that no layout in ``described`` covers.
 
@@ -194,7 +153,7 @@ def guesses(
             # independent matrices and is never split; the packed dim is the stacked matrices' out dim.
             batch = 1 if p.dim() >= 3 and not isinstance(getattr(mod, "in_channels", None), int) else 0
             dim = (1 if transposed else 0) + batch
-            found = _by_name(leaf) or (_by_name(attr) if attr else None)
+            found = by_name(leaf) or (by_name(attr) if attr else None)
             if found is not None:
                 k, names, why = found
             else:
@@ -203,6 +162,7 @@ def guesses(
                     continue
                 k, why = shaped
                 names = None
+            k, names = parts(k, names, p, dim, transposed)
             size = int(p.shape[dim])
             if size % k or size < k:
                 continue

@@ -48,6 +48,8 @@ __all__ = [
     "bound_args",
     "TORCH_INIT",
     "normal_merges",
+    "FAN_FREE",
+    "reads_fans",
 ]
 
 #: torch.nn.init's functions as imported: ``fix_torch_defaults`` replaces the module's names while it is on,
@@ -78,6 +80,10 @@ TORCH_FNS = RANDOM_FNS | DETERMINISTIC_FNS
 #: logical (row-major) order it draws exactly what a contiguous tensor of that shape draws.
 UNIFORM_FNS: frozenset[Callable[..., Tensor]] = frozenset(
     {_init.uniform_, _init.xavier_uniform_, _init.kaiming_uniform_, _init.constant_, _init.ones_, _init.zeros_}
+)
+#: torch.nn.init functions whose values do not depend on the tensor's shape: blocks change nothing.
+FAN_FREE: frozenset[Callable[..., Tensor]] = frozenset(
+    {_init.uniform_, _init.normal_, _init.trunc_normal_, _init.constant_, _init.ones_, _init.zeros_}
 )
 #: Random torch.nn.init functions that fail on complex tensors (and may write before failing).
 REAL_ONLY: frozenset[Callable[..., Tensor]] = frozenset({_init.trunc_normal_, _init.orthogonal_})
@@ -191,6 +197,11 @@ def _read_accepts_generator(fn: Callable[..., Tensor]) -> bool | None:
 
 
 _ACCEPTS: weakref.WeakKeyDictionary[Callable[..., Tensor], bool | None] = weakref.WeakKeyDictionary()
+
+
+def reads_fans(fn: object) -> bool:
+    """Whether ``fn``'s values may depend on the shape it is handed (False only for torch's fan-free functions)."""
+    return not (callable(fn) and hashable_in(base(fn), FAN_FREE))
 
 
 def fn_name(fn: object) -> str:

@@ -7,15 +7,17 @@ Parameters, see :mod:`packedinit.model.marks`). Adapters come from :mod:`packedi
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import warnings
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from torch import Tensor, nn
 
-from packedinit.errors import PackedInitError
+from packedinit.errors import LayoutWarning, PackedInitError
 from packedinit.layout import Layout
+from packedinit.model.found import findings, maybe_packed, merge, same, trace
 from packedinit.model.marks import ANNOTATIONS, has_annotations, stamp
 from packedinit.model.marks import annotations_of as stored_annotations
 from packedinit.model.registry import adapter_name, ensure_builtins, key_name, lookup
@@ -133,8 +135,15 @@ def _decide(claims: list[_Claim], fqn: str) -> Layout | None:
     return first.layout
 
 
-def resolve(model: nn.Module) -> list[tuple[str, Tensor, Layout | None]]:
-    """Every distinct parameter of ``model`` in ``named_parameters()`` order, with its layout or None."""
+def resolve(
+    model: nn.Module, forward: str | None = None, *, loud: bool = True, only: Collection[int] | None = None
+) -> list[tuple[str, Tensor, Layout | None]]:
+    """Every distinct parameter of ``model`` in ``named_parameters()`` order, with its layout or None.
+
+    With ``forward`` (the idiom's name, for warnings), the forward's layouts fill in what no
+    adapter or annotation describes (:func:`packedinit.model.found.merge`: ``loud``
+    whether the init function reads fans, ``only`` the ids of the parameters it will write).
+    """
     ensure_builtins()
     order: dict[int, tuple[str, Tensor]] = {}
     claimed: dict[int, list[_Claim]] = {}
@@ -150,9 +159,29 @@ def resolve(model: nn.Module) -> list[tuple[str, Tensor, Layout | None]]:
         if has_adapter or has_annotations(m):
             for c in _claims(m, prefix):
                 claimed.setdefault(id(c.param), []).append(c)
+    if forward is not None:
+        found = findings(model)
+        names = maybe_packed(model, order.values())
+        out: list[tuple[str, Tensor, Layout | None]] = []
+        todo: list[tuple[int, tuple[str, Tensor, Layout | None, str | None]]] = []
+        for k, (n, p) in order.items():
+            cs = claimed.get(k)
+            lay = _decide(cs, n) if cs else None
+            if (found is not None and n in found) or (cs is None and n in names):
+                todo.append((len(out), (n, p, lay, _kind(cs) if cs else None)))
+            out.append((n, p, lay))
+        if todo:  # only what the forward saw or what looks packed: the rest passes as it is
+            merged = merge(model, [e for _, e in todo], found, idiom=forward, loud=loud, only=only)
+            for (i, _), entry in zip(todo, merged, strict=True):
+                out[i] = entry
+        return out
     if not claimed:
         return [(n, p, None) for n, p in order.values()]
     return [(n, p, _decide(claimed[k], n) if k in claimed else None) for k, (n, p) in order.items()]
+
+
+def _kind(claims: list[_Claim]) -> str:
+    return "annotation" if any(c.annotation for c in claims) else "adapter"
 
 
 def layouts(model: nn.Module) -> dict[str, Layout]:
@@ -189,8 +218,8 @@ def layouts(model: nn.Module) -> dict[str, Layout]:
     return {name: layout for name, _, layout in resolve(model) if layout is not None}
 
 
-def annotate(module: Mod, **param_layouts: Layout | None) -> Mod:
-    """Mark packed parameters of one module instance; with no keywords, stamp every known one.
+def annotate(module: Mod, *example_inputs: Any, **param_layouts: Any) -> Mod:
+    """Mark packed parameters of one module instance; with example inputs, every one its forward splits.
 
     ``annotate(m, weight=Layout(...))`` records that ``m.weight`` is packed. The
     annotation is stored on the module object, so it survives ``m.to(...)``,
@@ -206,13 +235,21 @@ def annotate(module: Mod, **param_layouts: Layout | None) -> Mod:
     owns the parameter. Every layout is checked against the parameter's shape
     before anything is recorded.
 
+    With example inputs (``annotate(model, *inputs, **input_kwargs)``: positional inputs, or
+    keywords whose values are tensors), the forward runs once under the tracer
+    (:func:`packedinit.infer_layouts`, read-only) and every weight it shows packed is stamped,
+    except where an adapter says otherwise (a :class:`~packedinit.LayoutWarning` names it); the
+    trace is kept, so the whole-model idioms do not trace again.
+
     With no keywords, every packed parameter :func:`layouts` finds is stamped on the
     module that owns it. Then ``model.apply(chunked(f))`` and any code that looks
     at one module at a time see layouts that an ancestor's adapter describes.
 
     Args:
         module: the module instance.
-        **param_layouts: ``name=Layout`` (or ``None``) per parameter, relative to ``module``.
+        *example_inputs: positional inputs of ``module(...)``: trace the forward.
+        **param_layouts: ``name=Layout`` (or ``None``) per parameter, relative to ``module``;
+            with positional example inputs (or tensor values), keyword inputs of ``module(...)``.
 
     Returns:
         ``module`` itself.
@@ -228,6 +265,16 @@ def annotate(module: Mod, **param_layouts: Layout | None) -> Mod:
         >>> chunked(torch.nn.init.xavier_uniform_)(qkv)
         >>> bool(qkv.weight.abs().max() <= (6 / 32) ** 0.5)
         True
+        >>> class Attn(torch.nn.Module):  # [q: 8 | k: 4 | v: 4], split in the forward
+        ...     def __init__(self) -> None:
+        ...         super().__init__()
+        ...         self.qkv = torch.nn.Linear(8, 16)
+        ...     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ...         q, k, v = self.qkv(x).split([8, 4, 4], dim=-1)
+        ...         return q.sum() + k.sum() * v.sum()
+        >>> attn = annotate(Attn(), torch.randn(2, 3, 8))
+        >>> layouts(attn)["qkv.weight"]
+        Layout(dim=0, sizes=(8, 4, 4))
         >>> annotate(qkv, weight=Layout(0, [16, 16]))
         Traceback (most recent call last):
         ...
@@ -235,6 +282,9 @@ def annotate(module: Mod, **param_layouts: Layout | None) -> Mod:
     """
     if not isinstance(module, nn.Module):
         raise PackedInitError(f"annotate(module, ...) needs an nn.Module, got {type(module).__name__}.")
+    traced = bool(example_inputs) or any(isinstance(v, Tensor) for v in param_layouts.values())
+    if traced:
+        return _annotate_traced(module, example_inputs, param_layouts)
     stamps: dict[int, tuple[nn.Module, dict[str, Layout | None]]] = {}
     if param_layouts:
         source = f"annotate({type(module).__name__}, ...)"
@@ -249,6 +299,43 @@ def annotate(module: Mod, **param_layouts: Layout | None) -> Mod:
             if layout is not None:
                 owner, leaf = owners[id(p)]
                 stamps.setdefault(id(owner), (owner, {}))[1][leaf] = layout
+    for owner, new in stamps.values():
+        stamp(owner, new)
+    return module
+
+
+def _annotate_traced(module: Mod, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Mod:
+    """``annotate(module, *inputs, **input_kwargs)``: stamp what the forward shows packed."""
+    cls = type(module).__name__
+    layouts_given = [k for k, v in kwargs.items() if isinstance(v, Layout)]
+    if layouts_given:
+        raise PackedInitError(
+            f"annotate({cls}, ...) got example inputs and Layouts ({layouts_given}) in one call; annotate the "
+            f"layouts in a call of their own: packedinit.annotate(module, name=Layout(...))."
+        )
+    found = trace(module, args, kwargs)
+    claimed = {n: lay for n, _, lay in resolve(module)}
+    owners = {id(p): (m, n) for m in module.modules() for n, p in param_dict(m).items() if p is not None}
+    stamps: dict[int, tuple[nn.Module, dict[str, Layout | None]]] = {}
+    by_name = dict(module.named_parameters())
+    other: list[str] = []
+    for name, seen in found.items():
+        if seen.verdict != "packed" or seen.layout is None or name not in by_name:
+            continue
+        mine = claimed.get(name)
+        if mine is not None and not same(mine, seen.layout):
+            other.append(f"{name!r}: the adapter says {mine!r}, the forward shows {seen.layout!r}")
+            continue
+        owner, leaf = owners[id(by_name[name])]
+        stamps.setdefault(id(owner), (owner, {}))[1][leaf] = seen.layout
+    if other:
+        warnings.warn(
+            f"annotate({cls}, *example_inputs): the adapters and the forward disagree on {'; '.join(other)}; "
+            f"the adapter's layout stays. If the forward is right: "
+            f"packedinit.annotate(model, **{{name: Layout(...)}}).",
+            LayoutWarning,
+            stacklevel=3,
+        )
     for owner, new in stamps.values():
         stamp(owner, new)
     return module

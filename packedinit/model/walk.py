@@ -25,10 +25,11 @@ from torch import Tensor, nn
 
 from packedinit.engine.chunks import Chunks
 from packedinit.engine.lean import call
-from packedinit.engine.traits import fn_name
+from packedinit.engine.traits import fn_name, reads_fans
 from packedinit.errors import PackedInitError
 from packedinit.layout import Layout
 from packedinit.model.claims import own_layouts, resolve
+from packedinit.model.found import end_pass, own_forward
 from packedinit.model.held import through_parametrizations, write_entries
 from packedinit.model.keywords import FILTERS, check_keywords
 from packedinit.model.steps import CHECKED, call_key, tensor_key
@@ -52,7 +53,8 @@ def init_tree(
     kwargs: Mapping[str, Any],
 ) -> None:
     """Every distinct parameter with ``dim >= 2`` of ``model``, packed ones per block; all checked first."""
-    entries, swaps = through_parametrizations(model.modules(), resolve(model), init_fn)
+    found = resolve(model, f"chunked({fn_name(init_fn)})(model)", loud=reads_fans(init_fn))
+    entries, swaps = through_parametrizations(model.modules(), found, init_fn)
     write_entries(entries, swaps, init_fn, args, kwargs)
 
 
@@ -77,8 +79,12 @@ def _init_own(
 ) -> None:
     own = [(n, p) for n, p in param_dict(module).items() if p is not None and p.dim() >= 2]
     if not own:
+        if not ancestors:
+            end_pass(module)
         return
-    lays = own_layouts(module, ancestors)
+    lays = own_forward(
+        ancestors[-1] if ancestors else module, own, own_layouts(module, ancestors), module, init_fn, _apply_say
+    )
     prefix = type(module).__name__
     head = call_key(init_fn, args, kwargs) if not lays else None
     if head is not None:  # nothing packed: where an equal parameter passed every check of each one, just call
@@ -93,6 +99,15 @@ def _init_own(
         (module,), [(f"{prefix}.{n}", p, lays.get(id(p))) for n, p in own], init_fn
     )
     write_entries(entries, swaps, init_fn, args, kwargs)
+
+
+def _apply_say(root: nn.Module, init_fn: object, whole: bool) -> tuple[str, bool]:
+    """For :func:`~packedinit.model.found.own_forward`: the idiom's name, whether ``init_fn`` reads fans;
+    ``whole``: resolve ``root`` with the forward first, which warns for the whole tree."""
+    idiom, loud = f"model.apply(chunked({fn_name(init_fn)}))", reads_fans(init_fn)
+    if whole:
+        resolve(root, idiom, loud=loud)
+    return idiom, loud
 
 
 def module_call(
@@ -228,8 +243,10 @@ def init_model(
     if not callable(init_fn):
         raise PackedInitError(f"init_model(model, init_fn): init_fn must be callable, got {type(init_fn).__name__}.")
     check_keywords("init_model", FILTERS, init_fn, kwargs)
-    entries = resolve(model)
+    idiom = f"init_model(model, {fn_name(init_fn)})"
     if modules is not None or params is not None:
+        kept = select(model, resolve(model), modules, params)
+        entries = resolve(model, idiom, loud=reads_fans(init_fn), only={id(p) for _, p, _ in kept})
         kept = select(model, entries, modules, params)
         if not any(p.dim() - (lay.batch_dims if lay is not None else 0) >= 2 for _, p, lay in kept):
             names = [n for n, p, _ in entries if p.dim() >= 2][:8]
@@ -238,6 +255,8 @@ def init_model(
                 f"the filters keep no parameter with dim >= 2; nothing was written. Parameters it has: {names}."
             )
         entries = kept
+    else:
+        entries = resolve(model, idiom, loud=reads_fans(init_fn))
     entries, swaps = through_parametrizations(model.modules(), entries, init_fn)
     write_entries(entries, swaps, init_fn, args, kwargs)
     return model

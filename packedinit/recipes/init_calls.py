@@ -253,7 +253,7 @@ class Interception:
 
     __slots__ = ("_held", "_on", "_scope")
 
-    def __init__(self, *models: nn.Module) -> None:
+    def __init__(self, *models: nn.Module, forward: str | None = None) -> None:
         global _active
         scope: WeakIdKeyDictionary | None = None
         held: WeakIdKeyDictionary | None = None
@@ -263,7 +263,7 @@ class Interception:
                 lays: dict[int, Layout | None] = {}
                 for q in model.parameters():
                     note(q)
-                for n, p, layout in resolve(model):
+                for n, p, layout in resolve(model, forward):
                     lays[id(p)] = layout
                     if layout is not None and layout.num_parts > 1:
                         scope[p] = (n, layout)
@@ -304,9 +304,12 @@ class Interception:
         self.release()
 
 
-def acquire(*models: nn.Module) -> Interception:
-    """Turn the interception on (one reference), knowing also the packed parameters of ``models``."""
-    return Interception(*models)
+def acquire(*models: nn.Module, forward: str | None = None) -> Interception:
+    """Turn the interception on (one reference), knowing also the packed parameters of ``models``.
+
+    ``forward`` (the idiom's name): layouts from the forward too (see :func:`packedinit.model.claims.resolve`).
+    """
+    return Interception(*models, forward=forward)
 
 
 def intercepting() -> bool:

@@ -302,7 +302,7 @@ def reset_parameters(
     """
     if not isinstance(module, nn.Module):
         raise PackedInitError(f"reset_parameters(module) needs an nn.Module, got {type(module).__name__}.")
-    reset_keeping(module, generator=generator, strict=strict, model_init=model_init)
+    reset_keeping(module, generator=generator, strict=strict, model_init=model_init, forward="reset_parameters(model)")
 
 
 def reset_keeping(
@@ -314,6 +314,7 @@ def reset_keeping(
     filled: Collection[Tensor] = (),
     check_only: bool = False,
     model_init: ModelInit = None,
+    forward: str | None = None,
 ) -> None:
     """:func:`reset_parameters`, leaving the tensors in ``keep`` as they are and counting ``filled`` as covered.
 
@@ -343,7 +344,8 @@ def reset_keeping(
         return
     holders = tensor_holders(module)
     later = later_holders(module)  # a tie's later holder (nanoGPT's lm_head) did not init the shared tensor
-    with hf_flags_cleared(module), init_calls.acquire(module):  # the model's own init calls: packed ones per block
+    # the model's own init calls: packed ones per block
+    with hf_flags_cleared(module), init_calls.acquire(module, forward=forward):
         for step in steps:
             with contextlib.ExitStack() as stack:
                 if step.globalize:

@@ -94,7 +94,7 @@ _SUMS = {"add", "sub", "__add__", "__radd__", "__sub__", "__rsub__", "__iadd__",
 
 
 def _rows(labels: Tensor) -> frozenset[int]:
-    return frozenset(int(v) for v in labels.flatten().tolist())
+    return frozenset(torch.unique(labels).tolist())  # unique first: a logits tensor holds millions of labels
 
 
 def _fname(func: Callable[..., Any]) -> str:
@@ -145,7 +145,9 @@ class _Tracer(TorchFunctionMode):
         transposed = (use != "linear") != ref.swapped
         w = self.weights.get(ref.name)
         if w is None:
-            w = self.weights[ref.name] = _Weight(ref.name, rows, dim, transposed, ref.batch_dims)
+            # a whole stack (n, a, b) handed to bmm / matmul: its leading dims index the matrices
+            batch = ref.batch_dims or len(shape) - 2
+            w = self.weights[ref.name] = _Weight(ref.name, rows, dim, transposed, batch)
         w.uses.add(use)
         lab = torch.arange(rows).view([rows if i == (axis % out.dim()) else 1 for i in range(out.dim())])
         self._tag(out, ref.name, lab.expand(out.shape))
@@ -385,6 +387,9 @@ def _verdict(name: str, tracer: _Tracer) -> Inferred:
             "(einsum, a fused kernel, or not at all on this input)",
         )  # fmt: skip
     layout = layout_of_labels(_blocks(w), w.dim, w.transposed, w.batch_dims)
+    if layout is None and w.batch_dims:  # a stack of matrices, each used whole: per-matrix fans
+        stack = Layout(w.dim + w.batch_dims, [w.rows], transposed=w.transposed, batch_dims=w.batch_dims)
+        return Inferred("packed", stack, f"a stack of matrices, each used whole ({w.rows} features)")
     if layout is None:
         return Inferred("not packed", None, f"its output ({w.rows} features) is used whole")
     return Inferred("packed", layout, f"the forward splits its {w.rows} output features into {len(layout.sizes)} "
