@@ -1,0 +1,178 @@
+r"""One read pass over a box of a logical block: a storage-independent 64-bit hash and float64 sums.
+
+A logical block of shape :math:`L` is fingerprinted through *boxes*: strided views of the tensor
+(the local shard of a DTensor included) whose view dim :math:`k` holds logical positions
+:math:`o_k, o_k + 1, \dots` with logical row-major stride :math:`s_k`, so element :math:`x` of the
+box has logical flat index :math:`i = \sum_k (x_k + o_k)\, s_k`. The hash is
+
+.. math::
+    H = \mathrm{fmix64}\Big(\sum_i A^{i}\, g(b_i) \bmod 2^{64}\Big),\qquad g(b) = b\,(2b + 1) \bmod 2^{64},
+
+with :math:`b_i` the value's bits (sign-extended to 64), :math:`A` an odd constant and
+``fmix64`` the splitmix64 finaliser. :math:`g` is a permutation of :math:`\mathbb{Z}/2^{64}`
+(Rivest: :math:`b + 2b^2`) and :math:`A^i` is odd, so every single changed value changes
+:math:`H`; the sum does not depend on the order of the elements, so boxes and shards add; and
+:math:`A^i = \prod_k (A^{s_k})^{x_k + o_k}`, so a box is contracted one view dim at a time with
+a vector of powers (an int64 matrix-vector product) instead of a per-element index. torch's
+int64 arithmetic wraps modulo :math:`2^{64}` (checked by the tests against Python integers).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["CHUNK", "Sums", "box_sums", "fmix64", "hashable", "powers"]
+
+#: Elements read per step (about 512 KiB of int64: the pass stays in cache; memory O(chunk)).
+CHUNK: int = 1 << 16
+_A = 0x9E3779B97F4A7C15  # odd: every power is odd, so A^i * x is a bijection of x
+_MOD = 1 << 64
+_MASK = _MOD - 1
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _signed(v: int) -> int:
+    v &= _MASK
+    return v - _MOD if v >> 63 else v
+
+
+def fmix64(x: int) -> int:
+    """The splitmix64 finaliser (a bijection of 64-bit integers), on a Python int.
+
+    Examples:
+        >>> f"{fmix64(0):016x}", f"{fmix64(1):016x}"
+        ('0000000000000000', '5692161d100b05e5')
+    """
+    x &= _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def powers(base: int, start: int, n: int, device: torch.device) -> Tensor:
+    """``[base**start, base**(start+1), ..., base**(start+n-1)] mod 2**64`` as int64 (doubling, O(n) work).
+
+    Examples:
+        >>> powers(3, 2, 4, torch.device("cpu")).tolist()
+        [9, 27, 81, 243]
+    """
+    out = torch.tensor([_signed(pow(base, start, _MOD))], dtype=torch.int64, device=device)
+    while out.numel() < n:
+        out = torch.cat([out, out * _signed(pow(base, out.numel(), _MOD))])
+    return out[:n]
+
+
+def hashable(t: Tensor) -> bool:
+    """Whether the fingerprint reads ``t``'s values: real floating, integer and bool tensors off the meta device."""
+    return not t.is_meta and not t.is_complex() and t.element_size() in _BITS
+
+
+@dataclass
+class Sums:
+    """What one pass accumulates: the raw hash sum and the float64 sums of the finite values.
+
+    Attributes:
+        raw: :math:`\\sum_i A^i g(b_i) \\bmod 2^{64}` (an unsigned Python int).
+        count: elements read.
+        finite: finite elements among them (the float statistics cover these only).
+        s1: float64 sum of the finite values.
+        s2: float64 sum of their squares.
+        lo: smallest finite value (``inf`` when none).
+        hi: largest finite value (``-inf`` when none).
+    """
+
+    raw: int = 0
+    count: int = 0
+    finite: int = 0
+    s1: float = 0.0
+    s2: float = 0.0
+    lo: float = math.inf
+    hi: float = -math.inf
+
+    def add(self, other: Sums) -> None:
+        """Add ``other``'s elements (order independent for everything but float rounding)."""
+        self.raw = (self.raw + other.raw) & _MASK
+        self.count += other.count
+        self.finite += other.finite
+        self.s1 += other.s1
+        self.s2 += other.s2
+        self.lo = min(self.lo, other.lo)
+        self.hi = max(self.hi, other.hi)
+
+
+def _bits(c: Tensor) -> Tensor:
+    if c.dtype.is_floating_point:
+        return c.view(_BITS[c.element_size()]).to(torch.int64)
+    return c.to(torch.int64)
+
+
+def _read(c: Tensor, ws: Sequence[Tensor], factor: int, acc: Sums) -> None:
+    """One chunk: its hash contribution (contracted dim by dim with the power vectors) and float64 sums."""
+    x = _bits(c)
+    g = torch.addcmul(x, x, x, value=2)  # b + 2 b^2 (mod 2^64)
+    for w in reversed(ws[1:]):
+        g = torch.matmul(g, w)
+    h = int((g * ws[0]).sum())
+    acc.raw = (acc.raw + factor * h) & _MASK
+    n = c.numel()
+    acc.count += n
+    cd = c.to(torch.float64).reshape(-1)
+    s1, s2 = float(cd.sum()), float(torch.dot(cd, cd))
+    if math.isfinite(s1) and math.isfinite(s2):
+        finite = n
+    else:  # nan/inf inside (or a float64 overflow): the statistics leave them out
+        keep = torch.isfinite(cd)
+        finite = int(keep.sum())
+        cd = cd[keep]
+        s1, s2 = float(cd.sum()), float(torch.dot(cd, cd))
+    acc.finite += finite
+    acc.s1 += s1
+    acc.s2 += s2
+    if finite:
+        lo, hi = torch.aminmax(cd)
+        acc.lo = min(acc.lo, float(lo))
+        acc.hi = max(acc.hi, float(hi))
+
+
+def _walk(v: Tensor, ws: Sequence[Tensor], factor: int, acc: Sums, chunk: int) -> None:
+    n = v.numel()
+    if n <= chunk:
+        _read(v, ws, factor, acc)
+        return
+    inner = n // v.shape[0]
+    if inner <= chunk:
+        rows = max(1, chunk // inner)
+        for a in range(0, v.shape[0], rows):
+            _read(v[a : a + rows], [ws[0][a : a + rows], *ws[1:]], factor, acc)
+        return
+    for i in range(v.shape[0]):  # one slice is bigger than a chunk: go one dim down
+        _walk(v[i], ws[1:], (factor * int(ws[0][i])) & _MASK, acc, chunk)
+
+
+def box_sums(view: Tensor, dims: Sequence[tuple[int, int]], chunk: int = CHUNK) -> Sums:
+    """Hash and sums of one box: ``dims[k] = (offset, logical stride)`` of view dim ``k`` (see the module docstring).
+
+    Read-only; memory O(``chunk``) beyond power vectors as long as the box's dims.
+
+    Examples:
+        >>> w = torch.arange(6.0).reshape(2, 3)
+        >>> a = box_sums(w, [(0, 3), (0, 1)])  # the whole (2, 3) matrix, row-major
+        >>> b = box_sums(w.t().contiguous().t(), [(0, 3), (0, 1)])  # the same values, column-major storage
+        >>> a.raw == b.raw, a.count, a.s1, a.hi
+        (True, 6, 15.0, 5.0)
+        >>> top, bottom = box_sums(w[:1], [(0, 3), (0, 1)]), box_sums(w[1:], [(1, 3), (0, 1)])
+        >>> (top.raw + bottom.raw) % 2**64 == a.raw  # boxes (shards) add up
+        True
+    """
+    acc = Sums()
+    if view.numel() == 0:
+        return acc
+    ws = [powers(pow(_A, s, _MOD), o, n, view.device) for (o, s), n in zip(dims, view.shape, strict=True)]
+    with torch.no_grad():
+        _walk(view, ws, 1, acc, chunk)
+    return acc
