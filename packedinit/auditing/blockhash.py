@@ -9,7 +9,8 @@ box has logical flat index :math:`i = \sum_k (x_k + o_k)\, s_k`. The hash is
     H = \mathrm{fmix64}\Big(\sum_i A^{i}\, g(b_i) \bmod 2^{64}\Big),\qquad g(b) = b\,(2b + 1) \bmod 2^{64},
 
 with :math:`b_i` the value's bits (sign-extended to 64), :math:`A` an odd constant and
-``fmix64`` the splitmix64 finaliser. :math:`g` is a permutation of :math:`\mathbb{Z}/2^{64}`
+``fmix64`` the splitmix64 finaliser (the block's element count enters the final mix too, see
+:func:`block_hash`). :math:`g` is a permutation of :math:`\mathbb{Z}/2^{64}`
 (Rivest: :math:`b + 2b^2`) and :math:`A^i` is odd, so every single changed value changes
 :math:`H`; the sum does not depend on the order of the elements, so boxes and shards add; and
 :math:`A^i = \prod_k (A^{s_k})^{x_k + o_k}`, so a box is contracted one view dim at a time with
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["CHUNK", "Sums", "box_sums", "fmix64", "hashable", "powers"]
+__all__ = ["CHUNK", "Sums", "block_hash", "box_sums", "fmix64", "hashable", "powers"]
 
 #: Elements read per step (about 512 KiB of int64: the pass stays in cache; memory O(chunk)).
 CHUNK: int = 1 << 16
@@ -52,6 +53,18 @@ def fmix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
     return x ^ (x >> 31)
+
+
+def block_hash(raw: int, count: int) -> str:
+    """The block's hash (16 hex digits) from its raw sum and its number of elements.
+
+    ``fmix64(raw ^ fmix64(count + C))``: the count enters so that all-zero blocks of different sizes differ.
+
+    Examples:
+        >>> block_hash(0, 6) != block_hash(0, 9)
+        True
+    """
+    return f"{fmix64(raw ^ fmix64(count + 0x243F6A8885A308D3)):016x}"
 
 
 def powers(base: int, start: int, n: int, device: torch.device) -> Tensor:

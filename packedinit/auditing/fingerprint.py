@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from packedinit.auditing.blockhash import CHUNK, Sums, fmix64, hashable
+from packedinit.auditing.blockhash import CHUNK, Sums, block_hash, hashable
 from packedinit.auditing.fp_records import BlockRecord, Fingerprint, FingerprintDiff
 from packedinit.auditing.fp_reduce import all_ranks, block_sums, is_dtensor, shard_ranges
 from packedinit.errors import PackedInitError
@@ -52,7 +52,7 @@ def _record(m: _Measured, t: Tensor) -> BlockRecord:
         var = s.s2 / s.finite - mean * mean
         std = 0.0 if s.lo == s.hi else math.sqrt(max(var, 0.0)) if math.isfinite(var) else var
         lo, hi = s.lo, s.hi
-    return BlockRecord(*head, mean, std, lo, hi, s.count - s.finite, f"{fmix64(s.raw):016x}")
+    return BlockRecord(*head, mean, std, lo, hi, s.count - s.finite, block_hash(s.raw, s.count))
 
 
 def _dtype(t: Tensor) -> str:
