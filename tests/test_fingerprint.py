@@ -5,6 +5,7 @@ named by ``diff``, JSON round-trips exactly, and the call is read-only."""
 from __future__ import annotations
 
 import importlib.util
+import io
 import math
 import sys
 from pathlib import Path
@@ -275,3 +276,35 @@ def test_refused_inputs_name_the_fix() -> None:
         fingerprint(torch.zeros(2), chunk=0)
     with pytest.raises(PackedInitError, match="dim 0 has length 5"):
         fingerprint(torch.zeros(5, 2), layout=Layout(0, [2, 2]))
+
+
+def _cli(*args: str) -> tuple[int, str, str]:
+    from packedinit.cli.command import main
+
+    out, err = io.StringIO(), io.StringIO()
+    return main(list(args), stdout=out, stderr=err), out.getvalue(), err.getvalue()
+
+
+def test_cli_prints_the_fingerprint_and_compares_with_a_saved_one(tmp_path: Path) -> None:
+    mha = ("torch.nn:MultiheadAttention", "embed_dim=8", "num_heads=2")
+    code, out, err = _cli("fingerprint", *mha, "--json")
+    assert (code, err) == (0, "")
+    torch.manual_seed(0)
+    assert Fingerprint.from_json(out) == fingerprint(nn.MultiheadAttention(8, 2))
+    saved = tmp_path / "fp.json"
+    saved.write_text(out)
+    code, out, _ = _cli("fingerprint", *mha, "--against", str(saved))
+    assert code == 0
+    assert "in_proj_weight[k]  (8, 8)" in out
+    assert "fingerprints match: 8 blocks" in out
+    code, out, _ = _cli("fingerprint", *mha, "--seed", "1", "--against", str(saved))
+    assert code == 1
+    assert "first: 'in_proj_weight[q]'" in out
+    assert "changed: mean, std, min, max, hash" in out
+    code, out, _ = _cli("fingerprint", *mha, "--meta", "--json")
+    assert code == 0
+    assert Fingerprint.from_json(out)["in_proj_weight[v]"].hash is None
+    code, _, err = _cli("fingerprint", *mha, "--against", str(tmp_path / "missing.json"))
+    assert code == 2
+    assert "--against" in err
+    assert "cannot read it" in err

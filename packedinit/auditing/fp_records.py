@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from packedinit.errors import PackedInitError
@@ -71,6 +71,10 @@ class BlockRecord:
                 return True
         return False
 
+    def replace_field(self, name: str, value: Any) -> BlockRecord:
+        """This record with one field replaced."""
+        return replace(self, **{name: value})
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["shape"] = list(self.shape)
@@ -114,9 +118,9 @@ class FingerprintDiff(list[str]):
         if ra is None or rb is None:
             return f"{head}: only in the {'second' if ra is None else 'first'} fingerprint"
         lines = [f"{head} {fmt_shape(ra.shape)}"]
-        what = [f.name for f in fields(ra) if f.name not in ("key", "param", "block", "mean", "std")]
-        changed = [n for n in what if getattr(ra, n) != getattr(rb, n)]
-        lines.append("  changed: " + ", ".join(changed or ["mean/std"]))
+        what = [f.name for f in fields(ra) if f.name not in ("key", "param", "block")]
+        changed = [n for n in what if ra.replace_field(n, getattr(rb, n)).differs(ra)]
+        lines.append("  changed: " + ", ".join(changed))
         lines.append(f"  hash {ra.hash} vs {rb.hash}; mean {_fmt(ra.mean)} vs {_fmt(rb.mean)}")
         if ra.std is not None and rb.std is not None:
             ratio = f" (ratio {rb.std / ra.std:.4g})" if ra.std else ""
