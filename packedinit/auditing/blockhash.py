@@ -20,14 +20,16 @@ int64 arithmetic wraps modulo :math:`2^{64}` (checked by the tests against Pytho
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 from torch import Tensor
 
-__all__ = ["CHUNK", "Sums", "block_hash", "box_sums", "fmix64", "hashable", "powers"]
+__all__ = ["CHUNK", "Box", "Sums", "block_hash", "box_sums", "fmix64", "hashable", "many_box_sums", "powers"]
 
 #: Elements read per step (about 512 KiB of int64: the pass stays in cache; memory O(chunk)).
 CHUNK: int = 1 << 16
@@ -35,6 +37,8 @@ _A = 0x9E3779B97F4A7C15  # odd: every power is odd, so A^i * x is a bijection of
 _MOD = 1 << 64
 _MASK = _MOD - 1
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: A strided view of part of a logical block and, per view dim, ``(offset, logical stride)``.
+Box: TypeAlias = tuple[Tensor, tuple[tuple[int, int], ...]]
 
 
 def _signed(v: int) -> int:
@@ -185,7 +189,62 @@ def box_sums(view: Tensor, dims: Sequence[tuple[int, int]], chunk: int = CHUNK) 
     acc = Sums()
     if view.numel() == 0:
         return acc
-    ws = [powers(pow(_A, s, _MOD), o, n, view.device) for (o, s), n in zip(dims, view.shape, strict=True)]
     with torch.no_grad():
-        _walk(view, ws, 1, acc, chunk)
+        _walk(view, _weights(tuple(dims), tuple(view.shape), view.device), 1, acc, chunk)
     return acc
+
+
+@functools.lru_cache(maxsize=1024)
+def _weights(dims: tuple[tuple[int, int], ...], shape: tuple[int, ...], device: torch.device) -> list[Tensor]:
+    """The power vectors of a box (cached: many parameters share a shape; never written to)."""
+    return [powers(pow(_A, s, _MOD), o, n, device) for (o, s), n in zip(dims, shape, strict=True)]
+
+
+def _read_batch(views: Sequence[Tensor], ws: Sequence[Tensor], accs: Sequence[Sums]) -> None:
+    """Boxes of one shape and one set of weights, stacked: a few ops for all of them."""
+    x = torch.stack(list(views))
+    b = x.shape[0]
+    n = x[0].numel()
+    cd = x.to(torch.float64).reshape(b, -1)
+    s1, s2 = cd.sum(1), (cd * cd).sum(1)
+    if not bool((torch.isfinite(s1) & torch.isfinite(s2)).all()):  # nan/inf somewhere: one box at a time
+        for v, acc in zip(views, accs, strict=True):
+            _read(v, ws, 1, acc)
+        return
+    g = _bits(x)
+    g = torch.addcmul(g, g, g, value=2)
+    for w in reversed(ws):
+        g = torch.matmul(g, w)
+    lo, hi = torch.aminmax(cd, dim=1)
+    for acc, *vals in zip(accs, g.tolist(), s1.tolist(), s2.tolist(), lo.tolist(), hi.tolist(), strict=True):
+        raw, a, q, mn, mx = vals
+        acc.add(Sums(raw & _MASK, n, n, a, q, mn, mx))
+
+
+def many_box_sums(boxes: Sequence[Box], chunk: int = CHUNK) -> list[Sums]:
+    """:func:`box_sums` of every box; small boxes of one shape are read together (stacked, ``chunk`` at a time).
+
+    Examples:
+        >>> ws = [torch.randn(4, 4) for _ in range(3)]
+        >>> dims = ((0, 4), (0, 1))
+        >>> [s.raw for s in many_box_sums([(w, dims) for w in ws])] == [box_sums(w, dims).raw for w in ws]
+        True
+    """
+    out = [Sums() for _ in boxes]
+    groups: dict[tuple[tuple[int, ...], tuple[tuple[int, int], ...], torch.dtype, torch.device], list[int]] = {}
+    with torch.no_grad():
+        for i, (view, dims) in enumerate(boxes):
+            n = view.numel()
+            if n == 0:
+                continue
+            if 4 * n > chunk or view.dim() == 0:
+                _walk(view, _weights(tuple(dims), tuple(view.shape), view.device), 1, out[i], chunk)
+            else:
+                groups.setdefault((tuple(view.shape), tuple(dims), view.dtype, view.device), []).append(i)
+        for (shape, dims, _, device), idx in groups.items():
+            ws = _weights(dims, shape, device)
+            per = max(1, chunk // math.prod(shape))
+            for a in range(0, len(idx), per):
+                part = idx[a : a + per]
+                _read_batch([boxes[i][0] for i in part], ws, [out[i] for i in part])
+    return out

@@ -11,6 +11,7 @@ FSDP2) do not change. Blocks come from the layouts the audit uses (adapters, ann
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from packedinit.auditing.blockhash import CHUNK, Sums, block_hash, hashable
+from packedinit.auditing.blockhash import CHUNK, Box, Sums, block_hash, hashable, many_box_sums
 from packedinit.auditing.fp_records import BlockRecord, Fingerprint, FingerprintDiff
-from packedinit.auditing.fp_reduce import all_ranks, block_sums, is_dtensor, shard_ranges
+from packedinit.auditing.fp_reduce import all_ranks, block_boxes, is_dtensor, shard_ranges
 from packedinit.errors import PackedInitError
 from packedinit.layout import Layout, LogicalBlock
 from packedinit.shapes import fans, fmt_shape
@@ -77,12 +78,14 @@ def _blocks(name: str, shape: tuple[int, ...], layout: Layout | None) -> list[_K
     return out
 
 
+@functools.lru_cache(maxsize=1024)
 def _whole(shape: tuple[int, ...]) -> tuple[Layout, LogicalBlock]:
     lay = Layout(0, [shape[0]])
     return lay, lay.blocks(shape)[0]
 
 
-def _measure(name: str, t: Tensor, layout: Layout | None, chunk: int) -> list[_Measured]:
+def _measure(name: str, t: Tensor, layout: Layout | None, boxes: list[Box]) -> list[tuple[_Measured, int, int]]:
+    """The blocks of one parameter, each with the range of its boxes in ``boxes`` (appended to)."""
     shape = tuple(int(s) for s in t.shape)
     if layout is not None:
         layout.check(shape, param=name)
@@ -98,22 +101,21 @@ def _measure(name: str, t: Tensor, layout: Layout | None, chunk: int) -> list[_M
                 f"but placements {tuple(t.placements)} give {fmt_shape([len(r) for r in ranges])}; "  # type: ignore[attr-defined]
                 f"fingerprint a DTensor made by distribute_tensor / fully_shard (torch.chunk shards)."
             )
-    out: list[_Measured] = []
+    out: list[tuple[_Measured, int, int]] = []
     for key, label, block in _blocks(name, shape, layout):
         b_shape = shape if block is None else tuple(int(s) for s in block.shape)
-        if not read:
-            out.append(_Measured(key, name, label, b_shape, None, False))
-            continue
-        s = Sums()
-        if ranges is not None and math.prod(shape) > 0:
+        start = len(boxes)
+        if read and ranges is not None and math.prod(shape) > 0:
             if not shape:  # a 0-d tensor: one element
-                s = block_sums(local.reshape(1), [range(1)], (1,), *_whole((1,)), chunk)
+                boxes += block_boxes(local.reshape(1), [range(1)], (1,), *_whole((1,)))
             elif block is None:
-                s = block_sums(local, ranges, shape, *_whole(shape), chunk)
+                boxes += block_boxes(local, ranges, shape, *_whole(shape))
             else:
                 assert layout is not None
-                s = block_sums(local, ranges, shape, layout, block, chunk)
-        out.append(_Measured(key, name, label, b_shape, s, sharded))
+                boxes += block_boxes(local, ranges, shape, layout, block)
+        out.append(
+            (_Measured(key, name, label, b_shape, Sums() if read else None, sharded and read), start, len(boxes))
+        )
     return out
 
 
@@ -215,9 +217,19 @@ def fingerprint(
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise PackedInitError(f"fingerprint(chunk={chunk!r}): chunk is a number of elements, an int >= 1.")
     measured: list[tuple[Tensor, _Measured]] = []
+    boxes: list[Box] = []
+    spans: list[tuple[int, int]] = []
     with torch.no_grad():
         for n, t, lay in items:
-            measured += [(t, m) for m in _measure(n, t, lay, chunk)]
+            for m, a, b in _measure(n, t, lay, boxes):
+                measured.append((t, m))
+                spans.append((a, b))
+        sums = many_box_sums(boxes, chunk)  # one pass; small boxes of one shape read together
+    for (_, m), (a, b) in zip(measured, spans, strict=True):
+        if m.sums is not None:
+            for s in sums[a:b]:
+                m.sums.add(s)
+    del boxes, sums
     shared = [i for i, (_, m) in enumerate(measured) if m.sharded]
     if shared:
         import torch.distributed as dist

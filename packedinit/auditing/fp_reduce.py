@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from packedinit.auditing.blockhash import CHUNK, Sums, box_sums
+from packedinit.auditing.blockhash import CHUNK, Box, Sums, many_box_sums
 from packedinit.errors import PackedInitError
 from packedinit.layout import Layout, LogicalBlock
 from packedinit.shapes import fmt_shape
@@ -26,7 +26,7 @@ from packedinit.shapes import fmt_shape
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["all_ranks", "block_sums", "is_dtensor", "shard_ranges"]
+__all__ = ["all_ranks", "block_boxes", "block_sums", "is_dtensor", "shard_ranges"]
 
 
 def is_dtensor(t: Tensor) -> bool:
@@ -108,15 +108,10 @@ def _segments(r: range, groups: int, size: int, total: int, off: int) -> list[tu
     return merged
 
 
-def block_sums(
-    local: Tensor,
-    ranges: Sequence[range],
-    shape: Sequence[int],
-    layout: Layout,
-    block: LogicalBlock,
-    chunk: int = CHUNK,
-) -> Sums:
-    """The sums of the part of ``block`` that ``local`` holds.
+def block_boxes(
+    local: Tensor, ranges: Sequence[range], shape: Sequence[int], layout: Layout, block: LogicalBlock
+) -> list[Box]:
+    """The boxes (strided views with logical coordinates) of the part of ``block`` that ``local`` holds.
 
     Args:
         local: a tensor holding global elements ``[ranges[0][i0], ranges[1][i1], ...]`` of a
@@ -125,7 +120,51 @@ def block_sums(
         shape: the global (stored) shape.
         layout: the layout of the global tensor.
         block: one of ``layout.blocks(shape)``.
-        chunk: elements read per step.
+    """
+    nb = layout.batch_dims
+    st = local.stride()
+    base = local.storage_offset()
+    for k, i in enumerate(block.batch_index):
+        if i not in ranges[k]:
+            return []
+        base += (i - ranges[k].start) * st[k]
+    inner = len(shape) - nb
+    d = layout.normalized_dim(len(shape)) - nb
+    lstride = _logical_strides(layout, block, inner)
+    size = layout.sizes[block.part]
+    total = layout.packed_size // layout.groups
+    off = layout.offset(block.part)
+    out: list[Box] = []
+    for g0, g1, j0, j1 in _segments(ranges[nb + d], layout.groups, size, total, off):
+        sizes: list[int] = []
+        strides: list[int] = []
+        dims: list[tuple[int, int]] = []
+        offset = base
+        for k in range(inner):
+            r, s = ranges[nb + k], st[nb + k]
+            if k == d:
+                sizes += [g1 - g0, j1 - j0]
+                strides += [total * s, s]
+                dims += [(g0, size * lstride[k]), (j0, lstride[k])]
+                offset += (g0 * total + off + j0 - r.start) * s
+            else:
+                sizes.append(len(r))
+                strides.append(s)
+                dims.append((r.start, lstride[k]))
+        if 0 not in sizes:
+            out.append((local.as_strided(sizes, strides, offset), tuple(dims)))
+    return out
+
+
+def block_sums(
+    local: Tensor,
+    ranges: Sequence[range],
+    shape: Sequence[int],
+    layout: Layout,
+    block: LogicalBlock,
+    chunk: int = CHUNK,
+) -> Sums:
+    """The sums of the part of ``block`` that ``local`` holds (its :func:`block_boxes` added up).
 
     Examples:
         >>> from packedinit.layout import Layout
@@ -139,38 +178,8 @@ def block_sums(
         (True, 27.0)
     """
     acc = Sums()
-    nb = layout.batch_dims
-    st = local.stride()
-    base = local.storage_offset()
-    for k, i in enumerate(block.batch_index):
-        if i not in ranges[k]:
-            return acc
-        base += (i - ranges[k].start) * st[k]
-    inner = len(shape) - nb
-    d = layout.normalized_dim(len(shape)) - nb
-    lstride = _logical_strides(layout, block, inner)
-    size = layout.sizes[block.part]
-    total = layout.packed_size // layout.groups
-    r_d = ranges[nb + d]
-    for g0, g1, j0, j1 in _segments(r_d, layout.groups, size, total, layout.offset(block.part)):
-        sizes: list[int] = []
-        strides: list[int] = []
-        dims: list[tuple[int, int]] = []
-        offset = base
-        for k in range(inner):
-            r, s = ranges[nb + k], st[nb + k]
-            if k == d:
-                sizes += [g1 - g0, j1 - j0]
-                strides += [total * s, s]
-                dims += [(g0, size * lstride[k]), (j0, lstride[k])]
-                offset += (g0 * total + layout.offset(block.part) + j0 - r.start) * s
-            else:
-                sizes.append(len(r))
-                strides.append(s)
-                dims.append((r.start, lstride[k]))
-        if 0 in sizes:
-            continue
-        acc.add(box_sums(local.as_strided(sizes, strides, offset), dims, chunk))
+    for s in many_box_sums(block_boxes(local, ranges, shape, layout, block), chunk):
+        acc.add(s)
     return acc
 
 

@@ -1,0 +1,56 @@
+"""The fingerprint's rows: ``packedinit.fingerprint`` against a float64 sum over the same tensors.
+
+A row with ``fn = "fingerprint"`` times, interleaved like every row (see :mod:`benchmarks.runner`):
+
+- ``plain``: ``torch.sum(t, dtype=torch.float64)`` of every tensor: one read pass, the baseline the
+  issue's target names (issue 30: one read pass, at most 2x a float64 sum over the same parameters);
+- ``chunked``: ``packedinit.fingerprint`` of the model (every parameter, blocks from its layouts) or of
+  each packed tensor with its layout: hash, float64 sums, min/max, nan/inf count, one pass;
+- ``fill`` / ``copy``: the write roofline, for reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+import packedinit
+
+from .cases import Materialized
+
+__all__ = ["FINGERPRINT", "fingerprint_variants"]
+
+#: The ``fn`` of a fingerprint row (given to ``--fn`` like an init function's name).
+FINGERPRINT = "fingerprint"
+
+
+def fingerprint_variants(m: Materialized) -> dict[str, Callable[[], object] | str]:
+    """The row's variants as zero-argument callables (or why one is n/a), built outside any timed region."""
+    model = m.model
+    tensors = list(model.parameters()) if model is not None else list(m.tensors)
+    pairs = [(t, s.layout) for t, s in zip(m.tensors, m.specs, strict=True)] if model is None else []
+
+    def plain() -> None:
+        for t in tensors:
+            torch.sum(t, dtype=torch.float64)
+
+    def chunked() -> None:
+        if model is not None:
+            packedinit.fingerprint(model)
+        else:
+            for t, layout in pairs:
+                packedinit.fingerprint(t, layout=layout)
+
+    def fill() -> None:
+        for t in m.tensors:
+            t.fill_(1.0)
+
+    srcs = [(t, torch.zeros_like(t)) for t in m.tensors]
+
+    def copy() -> None:
+        for t, s in srcs:
+            t.copy_(s)
+
+    na = "not defined for the fingerprint"
+    return {"plain": plain, "chunked": chunked, "naive": na, "timm": na, "fill": fill, "copy": copy}
