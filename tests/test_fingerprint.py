@@ -210,7 +210,7 @@ def test_diff_report_names_the_first_block_and_its_std_ratio() -> None:
     d = a.diff(fingerprint(model))
     assert d == ["attn.in_proj_weight[k]"]
     assert "std" in str(d)
-    assert "(ratio 2)" in str(d)
+    assert "(ratio 2.0000)" in str(d)
     extra = Fingerprint({**a.blocks, "x": a["head.bias"]}, "Net")
     assert a.diff(extra) == ["x"]
     assert "only in the second" in str(a.diff(extra))

@@ -123,7 +123,7 @@ class FingerprintDiff(list[str]):
         lines.append("  changed: " + ", ".join(changed))
         lines.append(f"  hash {ra.hash} vs {rb.hash}; mean {_fmt(ra.mean)} vs {_fmt(rb.mean)}")
         if ra.std is not None and rb.std is not None:
-            ratio = f" (ratio {rb.std / ra.std:.4g})" if ra.std else ""
+            ratio = f" (ratio {rb.std / ra.std:.4f})" if ra.std else ""
             lines.append(f"  std {_fmt(ra.std)} vs {_fmt(rb.std)}{ratio}")
         if len(self) > 1:
             more = ", ".join(repr(k) for k in self[1:4])
