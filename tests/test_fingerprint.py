@@ -48,11 +48,12 @@ def logical(t: Tensor, layout: Layout, block: object) -> Tensor:
 
 
 def python_hash(values: Tensor) -> str:
-    """The documented hash, with Python integers: sum of A**i * b * (2b + 1) mod 2**64 over logical flat index i."""
+    """The documented hash, with Python integers: sum of A**i * (b ^ (b >>> 16)) mod 2**64 over logical flat index i."""
     ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()]
     flat = values.reshape(-1)
     bits = (flat.view(ints) if values.dtype.is_floating_point else flat.to(torch.int64)).tolist()
-    raw = sum(pow(A, i, M) * (b * (2 * b + 1)) for i, b in enumerate(bits)) % M
+    mixed = [(b % M) ^ ((b % M) >> 16) for b in bits]
+    raw = sum(pow(A, i, M) * m for i, m in enumerate(mixed)) % M
     return block_hash(raw, len(bits))
 
 

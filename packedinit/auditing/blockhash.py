@@ -6,12 +6,13 @@ A logical block of shape :math:`L` is fingerprinted through *boxes*: strided vie
 box has logical flat index :math:`i = \sum_k (x_k + o_k)\, s_k`. The hash is
 
 .. math::
-    H = \mathrm{fmix64}\Big(\sum_i A^{i}\, g(b_i) \bmod 2^{64}\Big),\qquad g(b) = b\,(2b + 1) \bmod 2^{64},
+    H = \mathrm{fmix64}\Big(\sum_i A^{i}\, m(b_i) \bmod 2^{64}\Big),\qquad m(b) = b \oplus (b \gg 16),
 
 with :math:`b_i` the value's bits (sign-extended to 64), :math:`A` an odd constant and
 ``fmix64`` the splitmix64 finaliser (the block's element count enters the final mix too, see
-:func:`block_hash`). :math:`g` is a permutation of :math:`\mathbb{Z}/2^{64}`
-(Rivest: :math:`b + 2b^2`) and :math:`A^i` is odd, so every single changed value changes
+:func:`block_hash`; :math:`\gg` is the logical shift). :math:`m` is a bijection of 64-bit integers
+(linear over GF(2), so not over the integers: the sum is no plain polynomial hash of the bits) and
+:math:`A^i` is odd, so every single changed value changes
 :math:`H`; the sum does not depend on the order of the elements, so boxes and shards add; and
 :math:`A^i = \prod_k (A^{s_k})^{x_k + o_k}`, so a box is contracted one view dim at a time with
 a vector of powers (an int64 matrix-vector product) instead of a per-element index. torch's
@@ -36,6 +37,7 @@ CHUNK: int = 1 << 16
 _A = 0x9E3779B97F4A7C15  # odd: every power is odd, so A^i * x is a bijection of x
 _MOD = 1 << 64
 _MASK = _MOD - 1
+_LOW48 = (1 << 48) - 1
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: A strided view of part of a logical block and, per view dim, ``(offset, logical stride)``.
 Box: TypeAlias = tuple[Tensor, tuple[tuple[int, int], ...]]
@@ -128,10 +130,17 @@ def _bits(c: Tensor) -> Tensor:
     return c.to(torch.int64)
 
 
+def _mixed(c: Tensor) -> Tensor:
+    """``m(b) = b ^ (b >>> 16)`` of the values' bits ``b`` (sign-extended to int64): a bijection, linear over GF(2)."""
+    x = _bits(c)
+    t = torch.bitwise_right_shift(x, 16)
+    t.bitwise_and_(_LOW48)  # >> is arithmetic on int64: keep the logical shift's bits only
+    return t.bitwise_xor_(x)
+
+
 def _read(c: Tensor, ws: Sequence[Tensor], factor: int, acc: Sums) -> None:
     """One chunk: its hash contribution (contracted dim by dim with the power vectors) and float64 sums."""
-    x = _bits(c)
-    g = torch.addcmul(x, x, x, value=2)  # b + 2 b^2 (mod 2^64)
+    g = _mixed(c)
     for w in reversed(ws[1:]):
         g = torch.matmul(g, w)
     h = int((g * ws[0]).sum())
@@ -139,21 +148,21 @@ def _read(c: Tensor, ws: Sequence[Tensor], factor: int, acc: Sums) -> None:
     n = c.numel()
     acc.count += n
     cd = c.to(torch.float64).reshape(-1)
-    s1, s2 = float(cd.sum()), float(torch.dot(cd, cd))
+    s1, s2 = torch.stack([cd.sum(), torch.dot(cd, cd)]).tolist()
     if math.isfinite(s1) and math.isfinite(s2):
         finite = n
+        lo, hi = torch.stack([c.min(), c.max()]).tolist() if n else (math.inf, -math.inf)
     else:  # nan/inf inside (or a float64 overflow): the statistics leave them out
         keep = torch.isfinite(cd)
         finite = int(keep.sum())
         cd = cd[keep]
-        s1, s2 = float(cd.sum()), float(torch.dot(cd, cd))
+        s1, s2 = torch.stack([cd.sum(), torch.dot(cd, cd)]).tolist()
+        lo, hi = torch.stack([cd.min(), cd.max()]).tolist() if finite else (math.inf, -math.inf)
     acc.finite += finite
     acc.s1 += s1
     acc.s2 += s2
-    if finite:
-        lo, hi = torch.aminmax(cd)
-        acc.lo = min(acc.lo, float(lo))
-        acc.hi = max(acc.hi, float(hi))
+    acc.lo = min(acc.lo, float(lo))
+    acc.hi = max(acc.hi, float(hi))
 
 
 def _walk(v: Tensor, ws: Sequence[Tensor], factor: int, acc: Sums, chunk: int) -> None:
@@ -211,14 +220,14 @@ def _read_batch(views: Sequence[Tensor], ws: Sequence[Tensor], accs: Sequence[Su
         for v, acc in zip(views, accs, strict=True):
             _read(v, ws, 1, acc)
         return
-    g = _bits(x)
-    g = torch.addcmul(g, g, g, value=2)
+    g = _mixed(x)
     for w in reversed(ws):
         g = torch.matmul(g, w)
-    lo, hi = torch.aminmax(cd, dim=1)
+    flat = x.reshape(b, -1)
+    lo, hi = flat.amin(1), flat.amax(1)
     for acc, *vals in zip(accs, g.tolist(), s1.tolist(), s2.tolist(), lo.tolist(), hi.tolist(), strict=True):
         raw, a, q, mn, mx = vals
-        acc.add(Sums(raw & _MASK, n, n, a, q, mn, mx))
+        acc.add(Sums(raw & _MASK, n, n, a, q, float(mn), float(mx)))
 
 
 def many_box_sums(boxes: Sequence[Box], chunk: int = CHUNK) -> list[Sums]:

@@ -153,12 +153,12 @@ def fingerprint(
     count, and a 64-bit hash of the logical block's values:
 
     .. math::
-        \mathrm{fmix64}\Big(\sum_i A^{i}\, b_i (2 b_i + 1) \bmod 2^{64}\Big)
+        \mathrm{fmix64}\Big(\sum_i A^{i}\, \big(b_i \oplus (b_i \gg 16)\big) \bmod 2^{64}\Big)
 
-    over logical flat indices :math:`i` and value bits :math:`b_i`. It does not depend on how the
-    block is stored (contiguous, transposed, interleaved, strided), on fusion (a fused q/k/v
-    block hashes like a separate ``Linear`` holding the same matrix) or on sharding; any single
-    changed value changes it.
+    over logical flat indices :math:`i` and value bits :math:`b_i` (see :mod:`packedinit.auditing.blockhash`).
+    It does not depend on how the block is stored (contiguous, transposed, interleaved, strided),
+    on fusion (a fused q/k/v block hashes like a separate ``Linear`` holding the same matrix) or on
+    sharding; any single changed value changes it.
 
     DTensor / FSDP2 parameters make the call a **collective**: call it on every rank. Each rank
     reads only its local shard (with global logical indices) and one ``all_gather`` of a few
