@@ -309,3 +309,12 @@ def test_cli_prints_the_fingerprint_and_compares_with_a_saved_one(tmp_path: Path
     assert code == 2
     assert "--against" in err
     assert "cannot read it" in err
+
+
+def test_the_accelerator_contraction_equals_the_cpu_one() -> None:
+    """CUDA has no int64 matmul: off the CPU, contract() multiplies and sums; both wrap modulo 2**64 alike."""
+    g = torch.randint(-(2**62), 2**62, (7, 33), dtype=torch.int64)
+    w = torch.randint(-(2**62), 2**62, (33,), dtype=torch.int64)
+    assert torch.equal(torch.matmul(g, w), (g * w).sum(-1))
+    want = [sum(int(a) * int(b) for a, b in zip(row, w.tolist(), strict=True)) % M for row in g.tolist()]
+    assert [int(v) % M for v in torch.matmul(g, w).tolist()] == want

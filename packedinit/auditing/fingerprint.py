@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from packedinit.auditing.blockhash import CHUNK, Box, Sums, block_hash, hashable, many_box_sums
+from packedinit.auditing.blockhash import CHUNK, DEVICE_CHUNK, Box, Sums, block_hash, hashable, many_box_sums
 from packedinit.auditing.fp_records import BlockRecord, Fingerprint, FingerprintDiff
 from packedinit.auditing.fp_reduce import all_ranks, block_boxes, is_dtensor, shard_ranges
 from packedinit.errors import PackedInitError
@@ -141,7 +141,7 @@ def fingerprint(
     layouts: Mapping[str, Layout] | None = None,
     layout: Layout | None = None,
     name: str = "tensor",
-    chunk: int = CHUNK,
+    chunk: int | None = None,
 ) -> Fingerprint:
     r"""Fingerprint a model's (or one tensor's) values, block by block.
 
@@ -172,7 +172,8 @@ def fingerprint(
         layouts: ``{parameter name: Layout}`` instead of :func:`packedinit.layouts` ``(model)``.
         layout: for a tensor: its layout (default: one block).
         name: for a tensor: the name its keys start with.
-        chunk: elements read per step (memory bound of the pass).
+        chunk: elements read per step (memory bound of the pass); default 65,536 on CPU,
+            16,777,216 when a parameter is on an accelerator.
 
     Returns:
         A :class:`~packedinit.auditing.fp_records.Fingerprint`: ``fp.blocks[key]``, ``fp.diff(other)``
@@ -214,7 +215,7 @@ def fingerprint(
         title = ""
     else:
         raise PackedInitError(f"fingerprint() needs an nn.Module or a tensor, got {type(model_or_tensor).__name__}.")
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise PackedInitError(f"fingerprint(chunk={chunk!r}): chunk is a number of elements, an int >= 1.")
     measured: list[tuple[Tensor, _Measured]] = []
     boxes: list[Box] = []
@@ -224,7 +225,8 @@ def fingerprint(
             for m, a, b in _measure(n, t, lay, boxes):
                 measured.append((t, m))
                 spans.append((a, b))
-        sums = many_box_sums(boxes, chunk)  # one pass; small boxes of one shape read together
+        on_cpu = all(v.device.type == "cpu" for v, _ in boxes)
+        sums = many_box_sums(boxes, chunk or (CHUNK if on_cpu else DEVICE_CHUNK))  # small boxes read together
     for (_, m), (a, b) in zip(measured, spans, strict=True):
         if m.sums is not None:
             for s in sums[a:b]:
