@@ -5,7 +5,8 @@ A row with ``fn = "fingerprint"`` times, interleaved like every row (see :mod:`b
 - ``plain``: ``torch.sum(t, dtype=torch.float64)`` of every tensor: one read pass, the baseline the
   issue's target names (issue 30: one read pass, at most 2x a float64 sum over the same parameters);
 - ``chunked``: ``packedinit.fingerprint`` of the model (every parameter, blocks from its layouts) or of
-  each packed tensor with its layout: hash, float64 sums, min/max, nan/inf count, one pass;
+  the packed tensors held as one module's parameters with their layouts (one call): hash, float64
+  sums, min/max, nan/inf count, one pass;
 - ``fill`` / ``copy``: the write roofline, for reference.
 """
 
@@ -14,8 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 import packedinit
+from packedinit import Layout
 
 from .cases import Materialized
 
@@ -28,19 +31,23 @@ FINGERPRINT = "fingerprint"
 def fingerprint_variants(m: Materialized) -> dict[str, Callable[[], object] | str]:
     """The row's variants as zero-argument callables (or why one is n/a), built outside any timed region."""
     model = m.model
-    tensors = list(model.parameters()) if model is not None else list(m.tensors)
-    pairs = [(t, s.layout) for t, s in zip(m.tensors, m.specs, strict=True)] if model is None else []
+    layouts: dict[str, Layout] | None = None
+    if model is None:  # the packed tensors as one module's parameters (sharing storage): one call for all
+        model = nn.Module()
+        layouts = {}
+        for i, (t, spec) in enumerate(zip(m.tensors, m.specs, strict=True)):
+            model.register_parameter(f"t{i}", nn.Parameter(t, requires_grad=False))
+            if spec.layout is not None:
+                layouts[f"t{i}"] = spec.layout
+    tensors = list(model.parameters())
+    holder, given = model, layouts
 
     def plain() -> None:
         for t in tensors:
             torch.sum(t, dtype=torch.float64)
 
     def chunked() -> None:
-        if model is not None:
-            packedinit.fingerprint(model)
-        else:
-            for t, layout in pairs:
-                packedinit.fingerprint(t, layout=layout)
+        packedinit.fingerprint(holder, layouts=given)
 
     def fill() -> None:
         for t in m.tensors:
