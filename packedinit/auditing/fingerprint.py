@@ -79,6 +79,15 @@ def _blocks(name: str, shape: tuple[int, ...], layout: Layout | None) -> list[_K
 
 
 @functools.lru_cache(maxsize=1024)
+def _row_major(shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append((0, acc))
+        acc *= n
+    return tuple(reversed(strides))
+
+
+@functools.lru_cache(maxsize=1024)
 def _whole(shape: tuple[int, ...]) -> tuple[Layout, LogicalBlock]:
     lay = Layout(0, [shape[0]])
     return lay, lay.blocks(shape)[0]
@@ -107,7 +116,9 @@ def _measure(name: str, t: Tensor, layout: Layout | None, boxes: list[Box]) -> l
         start = len(boxes)
         if read and ranges is not None and math.prod(shape) > 0:
             if not shape:  # a 0-d tensor: one element
-                boxes += block_boxes(local.reshape(1), [range(1)], (1,), *_whole((1,)))
+                boxes.append((local.reshape(1), ((0, 1),)))
+            elif block is None and not sharded:  # the whole tensor, row-major: one box, no views to make
+                boxes.append((local, _row_major(shape)))
             elif block is None:
                 boxes += block_boxes(local, ranges, shape, *_whole(shape))
             else:
