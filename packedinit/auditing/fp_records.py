@@ -15,9 +15,10 @@ __all__ = ["FORMAT", "REL_TOL", "BlockRecord", "Fingerprint", "FingerprintDiff"]
 
 #: The ``format`` field of :meth:`Fingerprint.to_json`.
 FORMAT = "packedinit.fingerprint/1"
-#: Relative tolerance on mean and std when two records are compared: float64 sums added in another
-#: order (another world size) round differently; the hash and every other field compare exactly.
-REL_TOL = 1e-9
+#: Relative tolerance (to the larger of |mean| and std) on mean and std when two records are compared:
+#: float64 sums added in another order (another world size) round differently, by far less than this;
+#: the hash and every other field compare exactly, and the hash is what tells two blocks' values apart.
+REL_TOL = 1e-6
 
 
 @dataclass(frozen=True)
