@@ -148,6 +148,15 @@ def run(world: int) -> dict[str, np.ndarray]:
         with torch.no_grad():
             local[-1, 2] += 1.0
     out["changed"] = np.array(packedinit.fingerprint(model).to_json())
+    # a Partial placement holds pending sums, not the tensor's values: refused on every rank, before any collective
+    from torch.distributed.tensor import DTensor, Partial
+
+    partial = DTensor.from_local(torch.ones(4, 2), mesh1, [Partial()])
+    try:
+        packedinit.fingerprint(partial)
+        out["partial"] = np.array("")
+    except packedinit.PackedInitError as e:
+        out["partial"] = np.array(str(e))
     return out
 
 

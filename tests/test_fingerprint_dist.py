@@ -135,3 +135,10 @@ def test_one_value_changed_on_one_rank_is_named_on_every_rank(
         d = _fp(res, "changed").diff(reference)
         assert d == ["attn.in_proj_weight[v]"]
         assert "first: 'attn.in_proj_weight[v]'" in str(d)
+
+
+def test_a_partial_placement_is_refused_by_name(ranks: list[dict[str, Any]]) -> None:
+    for res in ranks:
+        msg = str(res["partial"])
+        assert "parameter 'tensor' of shape (4, 2): placement Partial" in msg
+        assert "Shard(d)/Replicate() placements" in msg
