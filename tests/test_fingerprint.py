@@ -48,13 +48,17 @@ def logical(t: Tensor, layout: Layout, block: object) -> Tensor:
 
 
 def python_hash(values: Tensor) -> str:
-    """The documented hash, with Python integers: sum of A**i * (b ^ (b >>> 16)) mod 2**64 over logical flat index i."""
-    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()]
-    flat = values.reshape(-1)
-    bits = (flat.view(ints) if values.dtype.is_floating_point else flat.to(torch.int64)).tolist()
-    mixed = [(b % M) ^ ((b % M) >> 16) for b in bits]
-    raw = sum(pow(A, i, M) * m for i, m in enumerate(mixed)) % M
-    return block_hash(raw, len(bits))
+    """The documented hash, with Python integers: the sum over logical flat index i of A**i * m(b_i) mod 2**64,
+    m(b) = b ^ (b >>> w/2) in the values' width w, sign-extended."""
+    w = 8 * values.element_size()
+    ints = {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}[w]
+    raw = 0
+    for i, b in enumerate(values.reshape(-1).view(ints).tolist()):
+        u = b % (1 << w)
+        m = u ^ (u >> (w // 2))
+        m = m - (1 << w) if m >> (w - 1) else m  # sign-extend
+        raw = (raw + pow(A, i, M) * m) % M
+    return block_hash(raw, values.numel())
 
 
 LAYOUTS = [

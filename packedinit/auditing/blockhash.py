@@ -6,11 +6,12 @@ A logical block of shape :math:`L` is fingerprinted through *boxes*: strided vie
 box has logical flat index :math:`i = \sum_k (x_k + o_k)\, s_k`. The hash is
 
 .. math::
-    H = \mathrm{fmix64}\Big(\sum_i A^{i}\, m(b_i) \bmod 2^{64}\Big),\qquad m(b) = b \oplus (b \gg 16),
+    H = \mathrm{fmix64}\Big(\sum_i A^{i}\, m(b_i) \bmod 2^{64}\Big),\qquad m(b) = b \oplus (b \gg w/2),
 
-with :math:`b_i` the value's bits (sign-extended to 64), :math:`A` an odd constant and
+with :math:`b_i` the value's :math:`w`-bit pattern (:math:`m` computed in :math:`w` bits, then
+sign-extended to 64), :math:`A` an odd constant and
 ``fmix64`` the splitmix64 finaliser (the block's element count enters the final mix too, see
-:func:`block_hash`; :math:`\gg` is the logical shift). :math:`m` is a bijection of 64-bit integers
+:func:`block_hash`; :math:`\gg` is the logical shift). :math:`m` is a bijection of :math:`w`-bit integers
 (linear over GF(2), so not over the integers: the sum is no plain polynomial hash of the bits) and
 :math:`A^i` is odd, so every single changed value changes
 :math:`H`; the sum does not depend on the order of the elements, so boxes and shards add; and
@@ -51,7 +52,6 @@ DEVICE_CHUNK: int = 1 << 24
 _A = 0x9E3779B97F4A7C15  # odd: every power is odd, so A^i * x is a bijection of x
 _MOD = 1 << 64
 _MASK = _MOD - 1
-_LOW48 = (1 << 48) - 1
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: A strided view of part of a logical block and, per view dim, ``(offset, logical stride)``.
 Box: TypeAlias = tuple[Tensor, tuple[tuple[int, int], ...]]
@@ -138,12 +138,6 @@ class Sums:
         self.hi = max(self.hi, other.hi)
 
 
-def _bits(c: Tensor) -> Tensor:
-    if c.dtype.is_floating_point:
-        return c.view(_BITS[c.element_size()]).to(torch.int64)
-    return c.to(torch.int64)
-
-
 def contract(g: Tensor, w: Tensor) -> Tensor:
     """``g @ w`` over the last dim, in int64 modulo 2**64 (a matrix-vector product on CPU; CUDA has no int64 matmul).
 
@@ -158,11 +152,16 @@ def contract(g: Tensor, w: Tensor) -> Tensor:
 
 
 def _mixed(c: Tensor) -> Tensor:
-    """``m(b) = b ^ (b >>> 16)`` of the values' bits ``b`` (sign-extended to int64): a bijection, linear over GF(2)."""
-    x = _bits(c)
-    t = torch.bitwise_right_shift(x, 16)
-    t.bitwise_and_(_LOW48)  # >> is arithmetic on int64: keep the logical shift's bits only
-    return t.bitwise_xor_(x)
+    """``m(b) = b ^ (b >>> w/2)`` of the values' ``w``-bit patterns ``b``, sign-extended to int64.
+
+    A bijection of ``w``-bit integers (linear over GF(2)), computed at the values' own width (cheaper
+    than in int64), then widened.
+    """
+    x = c.view(_BITS[c.element_size()])
+    half = 4 * c.element_size()
+    t = torch.bitwise_right_shift(x, half)
+    t.bitwise_and_((1 << half) - 1)  # >> is arithmetic: keep the logical shift's bits only
+    return t.bitwise_xor_(x).to(torch.int64)
 
 
 def _read(c: Tensor, ws: Sequence[Tensor], factor: int, acc: Sums) -> None:

@@ -164,9 +164,10 @@ def fingerprint(
     count, and a 64-bit hash of the logical block's values:
 
     .. math::
-        \mathrm{fmix64}\Big(\sum_i A^{i}\, \big(b_i \oplus (b_i \gg 16)\big) \bmod 2^{64}\Big)
+        \mathrm{fmix64}\Big(\sum_i A^{i}\, \big(b_i \oplus (b_i \gg w/2)\big) \bmod 2^{64}\Big)
 
-    over logical flat indices :math:`i` and value bits :math:`b_i` (see :mod:`packedinit.auditing.blockhash`).
+    over logical flat indices :math:`i` and :math:`w`-bit value patterns :math:`b_i` (see
+    :mod:`packedinit.auditing.blockhash`).
     It does not depend on how the block is stored (contiguous, transposed, interleaved, strided),
     on fusion (a fused q/k/v block hashes like a separate ``Linear`` holding the same matrix) or on
     sharding; any single changed value changes it.
