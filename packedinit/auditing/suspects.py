@@ -163,7 +163,9 @@ def _traced(fqn: str, p: Tensor, mod: nn.Module, path: str, found: Inferred) -> 
     return Guess(fqn, p, layout, f"forward: {found.why}", annotate_line(entries))
 
 
-def guesses(model: nn.Module, described: Collection[str], traced: Mapping[str, Inferred] | None = None) -> list[Guess]:
+def guesses(
+    model: nn.Module, described: Collection[str], traced: Mapping[str, Inferred] | None = None
+) -> list[Guess]:
     """The parameters of ``model`` that look packed and that no layout in ``described`` covers.
 
     With ``traced`` (what :func:`packedinit.infer_layouts` found on an example input), a weight
