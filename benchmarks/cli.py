@@ -18,7 +18,7 @@ from .cases import build_cases, select_cases
 from .envinfo import environment
 from .probes import memory_method
 from .report import SCHEMA, write_all
-from .runner import DTYPES, FNS, Config, Row, run_all
+from .runner import DTYPES, FNS, ROW_FNS, Config, Row, run_all
 
 __all__ = ["main", "parse_args", "config_from_args"]
 
@@ -45,7 +45,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--case", action="append", help="glob(s) on case name or family, e.g. 'mha*', 'model'")
-    p.add_argument("--fn", action="append", help=f"init fn(s): {', '.join(FNS)} (default: all)")
+    p.add_argument("--fn", action="append", help=f"init fn(s): {', '.join(FNS)}, or {ROW_FNS[-1]} (default: all)")
     p.add_argument("--dtype", action="append", help=f"dtype(s): {', '.join(DTYPES)} (default: all)")
     p.add_argument("--device", action="append", help="cpu and/or cuda (default: cpu, plus cuda when available)")
     p.add_argument("--repeats", type=int, help="interleaved repeats per row (default 21; smoke 3)")
@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not cases:
         raise SystemExit(f"python -m benchmarks: no case matches {_split(ns.case)}; see --list")
-    fns = _pick(_split(ns.fn), list(FNS), "--fn")
+    fns = _pick(_split(ns.fn), list(ROW_FNS), "--fn")
     dtypes = _pick(_split(ns.dtype), list(DTYPES), "--dtype")
     devices = _devices(_split(ns.device))
     if ns.threads or ns.smoke:

@@ -74,6 +74,7 @@ class Target:
 def target_for(kind: str, fn_name: str, max_tensor_numel: int, scale: int, case: str = "") -> Target | None:
     """The issue's target for a row, or ``None`` when the issue sets none.
 
+    - (issue 30) ``packedinit.fingerprint``: one read pass, ``<= 2.00`` x a float64 sum of the same tensors.
     - ``orthogonal_``: per block no slower than whole (``<= 1.00``).
     - (issue 23) transposed storage, GPT-2 ``Conv1D`` / GPT-OSS experts at E >= 1024: ``<= 1.10``;
       10,000 unpacked small tensors: ``<= 1.05``.
@@ -84,6 +85,8 @@ def target_for(kind: str, fn_name: str, max_tensor_numel: int, scale: int, case:
     - contiguous layouts with a tensor of >= 1M elements: ``<= 1.03``.
     - layouts that need scratch (dim-1, transposed, interleaved) at E >= 1024: ``<= 1.15``.
     """
+    if fn_name == "fingerprint":
+        return Target("fingerprint <= 2 x a float64 sum of the same tensors", 2.00)
     if fn_name == "orthogonal_":
         return Target("orthogonal_ per block <= whole", 1.00)
     if case.startswith(("gpt2_conv1d", "moe_gptoss")) and scale >= 1024:

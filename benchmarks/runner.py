@@ -35,11 +35,23 @@ from packedinit.trace.auto import forget
 
 from .cases import Case, Materialized, materialize, naive_views
 from .device_plan import device_plan
+from .fingerprint_rows import FINGERPRINT, fingerprint_variants
 from .metrics import Target, gbps, iqr, median, paired_ratio, pct_of_roofline, target_for
 from .probes import count_kernels, count_launches, count_ops, peak_memory
 from .timing import Clock, Samples, calibrate, clock_for, run_interleaved
 
-__all__ = ["FNS", "DTYPES", "VARIANTS", "Config", "VariantResult", "Row", "build_variants", "bench_row", "run_all"]
+__all__ = [
+    "FNS",
+    "ROW_FNS",
+    "DTYPES",
+    "VARIANTS",
+    "Config",
+    "VariantResult",
+    "Row",
+    "build_variants",
+    "bench_row",
+    "run_all",
+]
 
 _init = torch.nn.init
 #: Init functions benchmarked, by name.
@@ -49,6 +61,8 @@ FNS: dict[str, Callable[..., Tensor]] = {
     "trunc_normal_": _init.trunc_normal_,
     "orthogonal_": _init.orthogonal_,
 }
+#: The ``fn`` of every row: the init functions, then the fingerprint (see :mod:`benchmarks.fingerprint_rows`).
+ROW_FNS: tuple[str, ...] = (*FNS, FINGERPRINT)
 #: Dtypes benchmarked, by name.
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: Variant names, in report order.
@@ -286,10 +300,12 @@ def bench_row(m: Materialized, fn_name: str, dtype_name: str, cfg: Config, clock
         row.status = "skipped"
         row.note = f"orthogonal_ is O(n^3): a tensor exceeds --ortho-max-numel {cfg.ortho_max_numel}"
         return row
-    variants = build_variants(m, fn_name)
+    fingerprinting = fn_name == FINGERPRINT
+    variants = fingerprint_variants(m) if fingerprinting else build_variants(m, fn_name)
     # the plain baseline on a tiny tensor of the same dtype/device: is the fn supported at all?
     try:
-        FNS[fn_name](torch.empty(4, 4, dtype=m.dtype, device=device))
+        if not fingerprinting:
+            FNS[fn_name](torch.empty(4, 4, dtype=m.dtype, device=device))
     except (RuntimeError, NotImplementedError, ValueError, TypeError) as e:
         row.status = "unsupported"
         row.note = f"torch.nn.init.{fn_name} fails on {dtype_name} {device.type}: {type(e).__name__}: {e}"
@@ -342,7 +358,7 @@ def bench_row(m: Materialized, fn_name: str, dtype_name: str, cfg: Config, clock
                     row.variants[name].kernels = count_kernels(v, device)
             except Exception as e:  # counting is best-effort; say why it is missing
                 row.variants[name].note = f"counts unavailable: {type(e).__name__}: {e}"
-        if "chunked" in thunks and first_call.get("chunked", 0.0) <= cfg.counts_max_call_s:
+        if not fingerprinting and "chunked" in thunks and first_call.get("chunked", 0.0) <= cfg.counts_max_call_s:
             stand_in, row.blocks = device_plan(m, FNS[fn_name])
             stand_in()  # warm, as the chunked variant is when it is counted
             row.variants["chunked"].device_launches = count_launches(stand_in)

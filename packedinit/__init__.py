@@ -12,6 +12,7 @@ import importlib
 from packedinit.adapters import register_builtins as _register_builtins
 from packedinit.adapters.fused import fused_gate_up, fused_qkv
 from packedinit.api import ChunkedInit, chunked, chunked_init
+from packedinit.auditing.fingerprint import Fingerprint, fingerprint
 from packedinit.auditing.measure import AuditReport, BlockAudit, ParamAudit, Reference, audit
 from packedinit.engine.chunks import Chunks, logical_blocks
 from packedinit.engine.plan import InitFn, InitSpec
@@ -86,4 +87,7 @@ __all__ = [
     "PackedInitTypeError",
     "PackedInitRuntimeError",
     "PackedInitNotImplementedError",
+    # fingerprint
+    "fingerprint",
+    "Fingerprint",
 ]

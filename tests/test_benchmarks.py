@@ -245,6 +245,22 @@ def test_bench_row_reports_unsupported_combinations() -> None:
     assert row.variants["plain"].ratio_to_plain == pytest.approx(1.0)
 
 
+
+@pytest.mark.parametrize("case_name", ["mha_in_proj_E32", "model_gpt2_L2_d32"])
+def test_fingerprint_rows_time_the_fingerprint_against_a_float64_sum(case_name: str) -> None:
+    m = materialize(by_name(build_cases(smoke=True))[case_name], torch.float32, CPU)
+    cfg = Config(repeats=2, min_repeats=1, memory=False, counts=True, verbose=False, min_sample_s=0.0)
+    row = bench_row(m, "fingerprint", "float32", cfg, CpuClock())
+    assert row.status == "ok", row.note
+    assert row.variants["chunked"].status == "ok"
+    assert row.variants["naive"].status == "n/a"
+    assert row.target is not None
+    assert row.target["limit"] == 2.00
+    target = metrics.target_for("contiguous", "fingerprint", 10**8, 4096)
+    assert target is not None
+    assert target.limit == 2.00
+
+
 # -- outputs ------------------------------------------------------------------------------------
 
 

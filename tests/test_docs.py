@@ -48,7 +48,7 @@ def _python_blocks(page: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", (PAGES / page).read_text(), flags=re.DOTALL)
 
 
-@pytest.mark.parametrize("page", ["index.md", "problem.md", "quickstart.md", "cli.md", "audit.md"])
+@pytest.mark.parametrize("page", ["index.md", "problem.md", "quickstart.md", "cli.md", "audit.md", "fingerprint.md"])
 def test_code_blocks_run(page: str, capsys: pytest.CaptureFixture[str]) -> None:
     blocks = _python_blocks(page)
     assert blocks, page

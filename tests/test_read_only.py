@@ -1,6 +1,6 @@
-"""Read-only calls are read-only (issue 28): ``audit``, ``layouts``, ``infer_layouts`` leave every weight,
-buffer, RNG (the CPU default, a user generator, Python's ``random``), train/eval flag, ``requires_grad``
-flag and hook exactly as they were, on models in train mode with dropout and batch norm (a forward
+"""Read-only calls are read-only (issues 28, 30): ``audit``, ``layouts``, ``infer_layouts``, ``fingerprint``
+leave every weight, buffer, RNG (the CPU default, a user generator, Python's ``random``), train/eval flag,
+``requires_grad`` flag and hook exactly as they were, on models in train mode with dropout and batch norm (a forward
 in train mode would move both)."""
 
 from __future__ import annotations
@@ -91,11 +91,12 @@ models = st.builds(
 
 @settings(max_examples=15)
 @given(model=models, seed=st.integers(0, 2**16))
-def test_property_layouts_and_audit_are_read_only(model: Net, seed: int) -> None:
+def test_property_layouts_audit_and_fingerprint_are_read_only(model: Net, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     before = snapshot(model, generator)
     packedinit.layouts(model)
     packedinit.audit(model)
+    packedinit.fingerprint(model)
     assert_unchanged(before, snapshot(model, generator))
 
 

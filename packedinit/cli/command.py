@@ -17,6 +17,9 @@ Options of ``audit``:
 * ``--check``: exit 1 when parameters of the model as built are affected by packing;
 * ``-h`` / ``--help``: the help. ``packedinit --version`` prints the version.
 
+``python -m packedinit fingerprint TARGET [ARG ...] [--json] [--meta] [--seed N] [--against FILE]``
+prints :func:`packedinit.fingerprint` of the model (see :mod:`packedinit.cli.fingerprint`).
+
 Exit codes:
 
 * 0: the audit ran (with ``--check``: and no parameter is affected);
@@ -49,6 +52,7 @@ from torch import Tensor, nn
 from packedinit.auditing.measure import AuditReport, Reference, audit
 from packedinit.auditing.records import json_safe
 from packedinit.cli.compare import render_comparison
+from packedinit.cli.fingerprint import run_fingerprint
 from packedinit.cli.options import (
     EXIT_CANNOT_TELL,
     EXIT_INTERRUPTED,
@@ -327,7 +331,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     try:
         with redirect_stdout(err):  # whatever else prints (a factory, a library) never lands in our output
-            return _run_audit(ns, out, err)
+            return (run_fingerprint if ns.command == "fingerprint" else _run_audit)(ns, out, err)
     except UsageError as e:
         _error(err, str(e))
         return EXIT_USAGE

@@ -38,7 +38,7 @@ _EXIT_CODES = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``packedinit`` parser: ``--version`` and the ``audit`` command with its options."""
+    """The ``packedinit`` parser: ``--version``, the ``audit`` and ``fingerprint`` commands with their options."""
     parser = _Parser(
         prog="packedinit",
         description="Correct torch.nn.init for packed parameters (fused QKV, LSTM/GRU gates, GQA, MoE experts).",
@@ -80,6 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="exit 1 if parameters of the model as built are affected; 4 if it cannot tell (no values to measure)",
     )
+    f = sub.add_parser(
+        "fingerprint",
+        help="fingerprint a model's init block by block (hash, std, min/max), or compare with a saved one",
+        description="Fingerprint every logical block of a model: shape, fans, mean, std, min, max and a 64-bit hash "
+        "of the block's values that storage, fusion and sharding do not change (packedinit.fingerprint).",
+        epilog="TARGET and ARGs as for 'audit'. Exit codes: 0 ok; 1 --against found differing blocks; "
+        "2 bad command line or target; 3 packedinit refused the model.",
+    )
+    f.add_argument("target", metavar="TARGET", help="package.module:factory")
+    f.add_argument("args", nargs="*", metavar="ARG", help="factory arguments: key=value or positional literals")
+    f.add_argument("--json", action="store_true", help="print the fingerprint as JSON (Fingerprint.from_json reads it)")
+    f.add_argument("--meta", action="store_true", help="build the model on the meta device: shapes and fans only")
+    f.add_argument(
+        "--seed", type=_seed_type, default=0, metavar="N", help="torch.manual_seed(N) before building (default 0)"
+    )
+    f.add_argument("--against", metavar="FILE", help="compare with a fingerprint saved by --json; exit 1 if any differ")
     return parser
 
 
