@@ -8,11 +8,13 @@ counted with its reason. A built model is then checked:
 1. ``to_empty(device="cpu")`` then ``packedinit.reset_parameters(model, strict=True)``: passes,
    or its message is recorded (what the model's own init leaves unset);
 2. ``packedinit.audit(model)`` runs and gives its one-line answer;
-3. for models whose main input is ``input_ids``: ``packedinit.infer_layouts`` on a (2, 5) token
-   batch, compared with ``packedinit.layouts(model)`` (every weight where they disagree is listed).
+3. ``packedinit.infer_layouts`` on the input ``packedinit.trace.inputs.example_inputs`` builds from the
+   config (token ids, pixel values, audio, video, patches and grid, time series; decoder ids for an
+   encoder-decoder), compared with ``packedinit.layouts(model)`` (every weight where they disagree is
+   listed; for every packed weight, whether the adapters, the forward or both describe it).
 
-A model is *clean* when all three pass with no disagreement. Results go to a JSON-lines file
-(one line per model, so a run cut short keeps what it did) and a Markdown page
+A model is *clean* when all three pass, the forward was traced, and it agrees with the adapters.
+Results go to a JSON-lines file (one line per model, so a run cut short keeps what it did) and a Markdown page
 (``--page``, default ``docs/pages/sweep.md``). ``--only`` limits the run to some model types
 (the tests run a fast subset this way).
 """
@@ -36,6 +38,7 @@ import torch
 
 import packedinit
 from packedinit.trace.compare import disagreements
+from packedinit.trace.inputs import example_inputs
 
 _SIZES: dict[str, int] = {
     "hidden_size": 64, "d_model": 64, "n_embd": 64, "dim": 64, "embed_dim": 64, "n_embed": 64, "d_embed": 64,
@@ -96,6 +99,16 @@ def shrink(config: Any, depth: int = 0) -> Any:
             for key in ("num_hidden_layers", "num_layers"):
                 if hasattr(config, key):
                     setattr(config, key, len(kept))
+    rope = getattr(config, "rope_parameters", None)
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None)
+    if not isinstance(head_dim, int) and isinstance(hidden, int) and isinstance(heads, int) and heads:
+        head_dim = hidden // heads
+    if isinstance(rope, dict) and isinstance(head_dim, int):  # multimodal rotary (Qwen-VL, GLM-4V): sections of half
+        factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        total = int(head_dim * (factor if isinstance(factor, float) else 1.0)) // 2
+        third = total * 3 // 8
+        rope["mrope_section"] = [total - 2 * third, third, third]
     if depth < 3:
         for value in list(vars(config).values()):
             if isinstance(value, PretrainedConfig):
@@ -126,6 +139,18 @@ def _why(e: BaseException) -> str:
     return text[:240]
 
 
+def _sources(found: dict[str, Any], claimed: dict[str, Any]) -> dict[str, int]:
+    """How many packed weights each source describes: adapters and the forward both, one of them only."""
+    forward = {n for n, f in found.items() if f.verdict == "packed"}
+    adapters = {n for n, lay in claimed.items() if len(lay.sizes) > 1 or lay.groups > 1 or lay.batch_dims}
+    return {
+        "both": len(forward & adapters),
+        "adapter": len(adapters - forward),
+        "forward": len(forward - adapters),
+        "opaque_claimed": sum(1 for n in adapters if n in found and found[n].verdict == "opaque"),
+    }
+
+
 def check(model_type: str, class_name: str, seconds: int = 60) -> dict[str, Any]:
     """Build one model tiny and check it; a dict for the JSON-lines file."""
     import transformers
@@ -154,32 +179,34 @@ def check(model_type: str, class_name: str, seconds: int = 60) -> dict[str, Any]
                 row["audit"] = "FAILED " + _why(e)
             claimed = packedinit.layouts(model)
             row["claimed"] = len(claimed)
-            if getattr(model, "main_input_name", None) == "input_ids":
+            built_inputs = example_inputs(model)
+            if built_inputs is None:
+                row["trace"] = f"not run: no example input for main input {getattr(model, 'main_input_name', None)!r}"
+            else:
                 model.eval()
-                ids = torch.randint(1, 200, (2, 5), generator=torch.Generator().manual_seed(0))
-                extra = {"decoder_input_ids": ids} if getattr(config, "is_encoder_decoder", False) else {}
+                args, kwargs = built_inputs
+                row["inputs"] = sorted(kwargs) or [type(a).__name__ for a in args]
                 try:
-                    found = packedinit.infer_layouts(model, input_ids=ids, **extra)
+                    found = packedinit.infer_layouts(model, *args, **kwargs)
                     row["traced"] = len(found)
                     row["packed_by_forward"] = sum(1 for f in found.values() if f.verdict == "packed")
                     row["opaque"] = sum(1 for f in found.values() if f.verdict == "opaque")
                     row["disagree"] = [f"{n}: {why}" for n, why in disagreements(found, claimed)]
+                    row["sources"] = _sources(found, claimed)
                 except Exception as e:
                     row["trace"] = _why(e.__cause__ or e)
-            else:
-                row["trace"] = f"not run: main input is {getattr(model, 'main_input_name', None)!r}"
     except _TimeLimitError as e:
         row["error"] = f"timeout ({e})"
     except Exception as e:
         row["error"] = _why(e)
         row["where"] = traceback.extract_tb(e.__traceback__)[-1].name if e.__traceback__ else ""
     row["seconds"] = round(time.perf_counter() - start, 2)
-    row["clean"] = (
+    row["clean"] = (  # traced, and the adapters and the forward agree
         row["built"]
         and row.get("reset") == "ok"
         and not str(row.get("audit", "FAILED")).startswith("FAILED")
+        and "traced" in row
         and not row.get("disagree")
-        and not str(row.get("trace", "not run")).startswith(("PackedInitError", "RuntimeError", "TypeError", "Value"))
         and "error" not in row
     )
     return row

@@ -26,7 +26,8 @@ from torch import nn
 
 from packedinit.errors import PackedInitError
 from packedinit.trace.compare import layout_of_labels
-from packedinit.trace.tracer import Tracer, blocks_of
+from packedinit.trace.rows import blocks_of
+from packedinit.trace.tracer import Tracer
 from packedinit.trace.twin import run_read_only
 from packedinit.trace.verdict import Inferred
 
@@ -73,7 +74,7 @@ def infer_layouts(model: nn.Module, *example_inputs: Any, **example_kwargs: Any)
     named = [n for n, p in model.named_parameters() if p.dim() >= 2]
 
     def trace(twin: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tracer:
-        tracer = Tracer({id(p): n for n, p in twin.named_parameters() if p.dim() >= 2})
+        tracer = Tracer({id(p): (n, p) for n, p in twin.named_parameters() if p.dim() >= 2})
         with tracer:
             twin(*args, **kwargs)
         return tracer
