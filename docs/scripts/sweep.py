@@ -142,7 +142,7 @@ def _why(e: BaseException) -> str:
 def _sources(found: dict[str, Any], claimed: dict[str, Any]) -> dict[str, int]:
     """How many packed weights each source describes: adapters and the forward both, one of them only."""
     forward = {n for n, f in found.items() if f.verdict == "packed"}
-    adapters = {n for n, lay in claimed.items() if len(lay.sizes) > 1 or lay.groups > 1 or lay.batch_dims}
+    adapters = {n for n, lay in claimed.items() if len(lay.sizes) > 1 or lay.groups > 1}
     return {
         "both": len(forward & adapters),
         "adapter": len(adapters - forward),

@@ -100,7 +100,9 @@ def _verdict(name: str, tracer: Tracer) -> Inferred:
             "(einsum, a fused kernel, or not at all on this input)",
         )  # fmt: skip
     layout = layout_of_labels(blocks_of(w), w.dim, w.transposed, w.batch_dims)
+    stack = f" in each of its {w.batch_dims}-dim stack of matrices" if w.batch_dims else ""
     if layout is None:
-        return Inferred("not packed", None, f"its output ({w.rows} features) is used whole")
-    return Inferred("packed", layout, f"the forward splits its {w.rows} output features into {len(layout.sizes)} "
-                    f"parts{f' in each of {layout.groups} groups' if layout.groups > 1 else ''}")  # fmt: skip
+        return Inferred("not packed", None, f"its output ({w.rows} features) is used whole{stack}", w.batch_dims)
+    groups = f" in each of {layout.groups} groups" if layout.groups > 1 else ""
+    why = f"the forward splits its {w.rows} output features into {len(layout.sizes)} parts{groups}{stack}"
+    return Inferred("packed", layout, why, w.batch_dims)

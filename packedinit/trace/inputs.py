@@ -118,10 +118,14 @@ def _video(config: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
 
 def _audio(config: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
     audio = _sub(config, "audio_config", "encoder_config")
+    if hasattr(audio, "num_mel_bins") and hasattr(audio, "max_length"):  # a spectrogram (Audio Spectrogram Transformer)
+        frames = _int(audio, "max_length", default=64)
+        return torch.zeros(BATCH, frames, _int(audio, "num_mel_bins", default=64), device=device, dtype=dtype)
+    codec = any(hasattr(audio, k) for k in ("upsampling_ratios", "downsampling_ratios", "hop_length", "codebook_size"))
     strides = getattr(audio, "conv_stride", None)
     hop = math.prod(strides) if isinstance(strides, (list, tuple)) and strides else 320
     length = max(hop * 16, 4000)
-    channels = getattr(audio, "audio_channels", None)
+    channels = getattr(audio, "audio_channels", 1 if codec else None)  # a codec reads (batch, channels, samples)
     shape = (BATCH, channels, length) if isinstance(channels, int) and channels > 0 else (BATCH, length)
     return torch.zeros(shape, device=device, dtype=dtype)
 
@@ -207,11 +211,15 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
             build = _video  # a video model whose main input is called pixel_values (VideoMAE, ViViT)
         if build is not None:
             kwargs[name] = build(config, device, dtype)
-        elif name.endswith("_mask") and name.startswith(("input_features", "audio_mel", "past_observed")):
-            source = kwargs.get(name.removesuffix("_mask")) or kwargs.get("past_values")
-            if isinstance(source, Tensor):
-                kwargs[name] = torch.ones(source.shape[:-1] if name == "past_observed_mask" else source.shape[:2],
-                                          device=device, dtype=torch.long)  # fmt: skip
+        elif name in ("input_features_mask", "audio_mel_mask", "feature_attention_mask"):
+            source = kwargs.get(name.removesuffix("_mask"), kwargs.get("input_features"))
+            if isinstance(source, Tensor):  # (batch, frames) of ones, frames where the features have them
+                frames = source.shape[-1] if hasattr(_sub(config, "audio_config"), "num_mel_bins") else source.shape[1]
+                kwargs[name] = torch.ones(BATCH, frames, device=device, dtype=torch.long)
+        elif name in ("query_embeds", "inputs_embeds"):
+            width = _int(config, "hidden_size", "d_model", default=64)
+            tokens = _int(config, "num_query_tokens", default=TOKENS) if name == "query_embeds" else TOKENS
+            kwargs[name] = torch.zeros(BATCH, tokens, width, device=device, dtype=dtype)
         elif name in required:
             return None  # a required input nobody here knows how to build
     if "past_observed_mask" in names and isinstance(kwargs.get("past_values"), Tensor):

@@ -46,8 +46,8 @@ def pairs_of(a: Tensor, b: Tensor) -> set[tuple[int, int]]:
     """The distinct ``(a[i], b[i])`` pairs of two label tensors of one shape."""
     a, b = compact(a, b.expand(a.shape))
     width = int(b.max()) + 1
-    codes = set((a.reshape(-1) * width + b.reshape(-1)).tolist())  # a set: torch's sort is slower on CPU
-    return {divmod(c, width) for c in codes}
+    codes = torch.tensor(sorted(set((a.reshape(-1) * width + b.reshape(-1)).tolist())), dtype=torch.long)
+    return set(zip((codes // width).tolist(), (codes % width).tolist(), strict=True))  # a set: torch's sort is slow
 
 
 def blocks_of(w: WeightRows) -> list[int]:
@@ -61,8 +61,12 @@ def blocks_of(w: WeightRows) -> list[int]:
     member = torch.zeros(len(w.pieces), w.rows, dtype=torch.bool)
     for j, piece in enumerate(w.pieces):
         member[j, [r for r in piece if r < w.rows]] = True
-    ids: dict[tuple[bool, ...], int] = {}
-    labels = [ids.setdefault(s, len(ids)) for s in zip(*member.tolist(), strict=True)] if w.pieces else [0] * w.rows
+    ids: dict[object, int] = {}
+    if len(w.pieces) < 63:  # each row's pieces as the bits of one number
+        codes = (member.long() << torch.arange(len(w.pieces)).view(-1, 1)).sum(0).tolist()
+        labels = [ids.setdefault(c, len(ids)) for c in codes]
+    else:
+        labels = [ids.setdefault(s, len(ids)) for s in zip(*member.tolist(), strict=True)]
     parent = list(range(len(ids) or 1))
 
     def root(i: int) -> int:

@@ -21,8 +21,11 @@ class Inferred:
             whole), or ``"opaque"`` (the tracer could not follow the weight: ``why`` says why).
         layout: the Layout for ``"packed"``, else ``None``.
         why: one line in words.
+        batch_dims: leading dims of the weight that the forward used as separate matrices (a stack of
+            experts read per expert, or all at once by ``bmm`` / ``grouped_mm``): each matrix has its own fans.
     """
 
     verdict: Verdict
     layout: Layout | None
     why: str
+    batch_dims: int = 0
