@@ -57,8 +57,9 @@ def test_a_failure_is_listed_with_its_reason(sweep: ModuleType, tmp_path: Path) 
         {"model_type": "broken", "class": "BrokenModel", "built": False, "clean": False, "error": "ValueError: x"},
     ]
     text = sweep.page(rows, 1.0)
-    assert "| 2 | 1 | 1 | 1 | 1 |" in text
+    assert "| 2 | 1 | 1 (100.0%) | 1 | 1 |" in text
     assert "| broken | BrokenModel | ValueError: x |" in text
+    assert "| gpt2 | GPT2Model | yes (input_ids) | `h.*.attn.c_attn.weight` both | - | ok | yes |" in text
     out = tmp_path / "rows.jsonl"
     out.write_text("\n".join(json.dumps(r) for r in rows))
     page = tmp_path / "sweep.md"

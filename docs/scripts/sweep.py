@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import signal
 import sys
 import time
@@ -139,16 +140,20 @@ def _why(e: BaseException) -> str:
     return text[:240]
 
 
-def _sources(found: dict[str, Any], claimed: dict[str, Any]) -> dict[str, int]:
-    """How many packed weights each source describes: adapters and the forward both, one of them only."""
+def _sources(found: dict[str, Any], claimed: dict[str, Any]) -> dict[str, str]:
+    """Every packed weight (layer numbers folded to ``*``) and who describes it: ``both``, ``adapter``, ``forward``.
+
+    ``adapter`` alone: the forward did not show it split (``opaque``: it could not follow the weight).
+    """
     forward = {n for n, f in found.items() if f.verdict == "packed"}
-    adapters = {n for n, lay in claimed.items() if len(lay.sizes) > 1 or lay.groups > 1}
-    return {
-        "both": len(forward & adapters),
-        "adapter": len(adapters - forward),
-        "forward": len(forward - adapters),
-        "opaque_claimed": sum(1 for n in adapters if n in found and found[n].verdict == "opaque"),
-    }
+    adapters = {n for n, lay in claimed.items() if (len(lay.sizes) > 1 or lay.groups > 1) and n in found}  # weights
+    out: dict[str, str] = {}
+    for name in sorted(forward | adapters):
+        who = "both" if name in forward and name in adapters else "forward" if name in forward else "adapter"
+        if who == "adapter" and name in found and found[name].verdict == "opaque":
+            who = "adapter (forward opaque)"
+        out.setdefault(re.sub(r"\.\d+\.", ".*.", name), who)
+    return out
 
 
 def check(model_type: str, class_name: str, seconds: int = 60) -> dict[str, Any]:
@@ -212,42 +217,56 @@ def check(model_type: str, class_name: str, seconds: int = 60) -> dict[str, Any]
     return row
 
 
+def _cell(text: object, width: int = 300) -> str:
+    return str(text).replace("|", "/").replace("\n", " ")[:width]
+
+
 def page(rows: Sequence[dict[str, Any]], elapsed: float) -> str:
-    """The Markdown page."""
+    """The Markdown page: the totals, then every built model (traced or why not, what is packed and who says so)."""
     import transformers
 
     built = [r for r in rows if r["built"]]
     clean = [r for r in built if r["clean"]]
     traced = [r for r in built if "traced" in r]
+    share = f"{100 * len(traced) / len(built):.1f}%" if built else "-"
     lines = [
         "# The transformers sweep",
         "",
         f"Every base model class of transformers {transformers.__version__} (torch {torch.__version__}), "
         f"built from its default config shrunk to hidden 64, 1 layer, 4 heads, vocab 256, 4 experts, "
-        f"and checked: `to_empty` + `packedinit.reset_parameters(strict=True)`, `packedinit.audit`, and for "
-        f"token models the forward tracer (`packedinit.infer_layouts`) against the registered adapters. "
-        f"Regenerate with `PYTHONPATH=. python docs/scripts/sweep.py` ({elapsed / 60:.0f} min on a shared "
-        f"2-core machine).",
+        f"and checked: `to_empty` + `packedinit.reset_parameters(strict=True)`, `packedinit.audit`, and the "
+        f"forward tracer (`packedinit.infer_layouts`, on the input `packedinit.trace.inputs.example_inputs` "
+        f"builds from the config: token ids, pixel values, audio, video, patches, time series) against the "
+        f"registered adapters. A model is *clean* only if it was traced and the forward and the adapters agree "
+        f"on every weight the forward could follow. Regenerate with `PYTHONPATH=. python docs/scripts/sweep.py` "
+        f"({elapsed / 60:.0f} min on a shared 2-core machine).",
         "",
-        "| tried | built | clean | traced | build failures |",
+        "| tried | built | traced | clean | build failures |",
         "|---|---|---|---|---|",
-        f"| {len(rows)} | {len(built)} | {len(clean)} | {len(traced)} | {len(rows) - len(built)} |",
+        f"| {len(rows)} | {len(built)} | {len(traced)} ({share}) | {len(clean)} | {len(rows) - len(built)} |",
         "",
-        "## Built, not clean",
+        "## Every built model",
         "",
-        "| model type | class | reset_parameters(strict=True) | tracer vs adapters |",
-        "|---|---|---|---|",
+        "*Packed* lists every weight with more than one block (layer numbers folded to `*`) and where its layout "
+        "comes from: `both` (an adapter and the forward agree), `adapter` (the forward did not show a split), "
+        "`forward` (no adapter describes it: listed under *disagreements* too).",
+        "",
+        "| model type | class | traced | packed | disagreements | reset_parameters(strict=True) | clean |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in built:
-        if r["clean"]:
-            continue
-        reset = r.get("reset", r.get("error", ""))
-        disagree = "; ".join(r.get("disagree", [])) or r.get("trace", "") or r.get("error", "")
-        lines.append(f"| {r['model_type']} | {r['class']} | {str(reset)[:200]} | {str(disagree)[:300]} |")
+        why_not = r.get("trace", r.get("error", ""))
+        how = f"yes ({', '.join(r.get('inputs', []))})" if "traced" in r else f"no: {why_not}"
+        packed = "; ".join(f"`{n}` {who}" for n, who in r.get("sources", {}).items()) or "-"
+        disagree = "; ".join(r.get("disagree", [])) or "-"
+        lines.append(
+            f"| {r['model_type']} | {r['class']} | {_cell(how, 200)} | {_cell(packed, 400)} | {_cell(disagree)} "
+            f"| {_cell(r.get('reset', r.get('error', '')), 160)} | {'yes' if r['clean'] else 'no'} |"
+        )
     lines += ["", "## Not built", "", "| model type | class | reason |", "|---|---|---|"]
     for r in rows:
         if not r["built"]:
-            lines.append(f"| {r['model_type']} | {r['class']} | {r.get('error', '')[:200]} |")
+            lines.append(f"| {r['model_type']} | {r['class']} | {_cell(r.get('error', ''), 200)} |")
     lines += ["", "## Clean", "", ", ".join(f"`{r['model_type']}`" for r in clean), ""]
     return "\n".join(lines).replace("\\", "/")
 
