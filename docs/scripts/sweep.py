@@ -100,6 +100,15 @@ def shrink(config: Any, depth: int = 0) -> Any:
             for key in ("num_hidden_layers", "num_layers"):
                 if hasattr(config, key):
                     setattr(config, key, len(kept))
+    rotary = getattr(config, "rotary_dim", None)  # GPT-J, CodeGen: the rotary part fits in a head
+    if isinstance(rotary, int) and isinstance(hidden, int) and isinstance(heads, int) and rotary > hidden // heads:
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            config.rotary_dim = hidden // heads
+    mamba_expand = getattr(config, "mamba_expand", None)  # Bamba, GraniteMoeHybrid: heads x head dim = expand x hidden
+    if isinstance(mamba_expand, int) and isinstance(hidden, int) and hasattr(config, "mamba_n_heads"):
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            config.mamba_n_heads = 4
+            config.mamba_d_head = mamba_expand * hidden // 4
     rope = getattr(config, "rope_parameters", None)
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
     head_dim = getattr(config, "head_dim", None)
@@ -190,7 +199,7 @@ def check(model_type: str, class_name: str, seconds: int = 60) -> dict[str, Any]
             else:
                 model.eval()
                 args, kwargs = built_inputs
-                row["inputs"] = sorted(kwargs) or [type(a).__name__ for a in args]
+                row["inputs"] = sorted(k for k in kwargs if k != "use_cache") or [type(a).__name__ for a in args]
                 try:
                     found = packedinit.infer_layouts(model, *args, **kwargs)
                     row["traced"] = len(found)
