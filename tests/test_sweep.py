@@ -75,3 +75,15 @@ def test_mla_without_a_rotary_part_claims_nothing_it_cannot_split(sweep: ModuleT
     assert row["built"], row
     assert row.get("error") is None, row
     assert not str(row["audit"]).startswith("FAILED"), row
+
+
+@pytest.mark.parametrize("model_type", ["cohere2_moe", "aria_text", "llama4_text"])
+def test_experts_the_forward_found_without_an_adapter_now_have_one(sweep: ModuleType, model_type: str) -> None:
+    """Before: the tracer (following transformers' default grouped_mm experts) showed these stacks split
+    into [gate | up] per expert, and no adapter described them: they were initialised with 3-D fans."""
+    (name,) = [n for t, n in sweep.models([model_type])]
+    row = sweep.check(model_type, name, seconds=120)
+    assert row["disagree"] == [], row
+    stacks = {n: who for n, who in row["sources"].items() if n.endswith("experts.gate_up_proj")}
+    assert stacks, row
+    assert set(stacks.values()) == {"both"}, row
