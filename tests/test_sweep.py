@@ -87,3 +87,22 @@ def test_experts_the_forward_found_without_an_adapter_now_have_one(sweep: Module
     stacks = {n: who for n, who in row["sources"].items() if n.endswith("experts.gate_up_proj")}
     assert stacks, row
     assert set(stacks.values()) == {"both"}, row
+
+
+@pytest.mark.parametrize(
+    ("model_type", "weights"),
+    [
+        ("qwen3_5_text", {"layers.*.linear_attn.in_proj_qkv.weight", "layers.*.self_attn.q_proj.weight"}),
+        ("exaone4_5_vision", {"blocks.*.attn.qkv.weight"}),  # [q: 64 | k: 32 | v: 32]
+        ("glm4v_vision", {"blocks.*.attn.qkv.weight"}),
+    ],
+)
+def test_fused_layers_the_forward_found_without_an_adapter_now_have_one(
+    sweep: ModuleType, model_type: str, weights: set[str]
+) -> None:
+    """Before: the forward showed Qwen3.5's linear-attention [q | k | v] and per-head [q | gate] queries,
+    and the vision towers' fused qkv, and no adapter described them (issue 26)."""
+    (name,) = [n for t, n in sweep.models([model_type])]
+    row = sweep.check(model_type, name, seconds=120)
+    assert row["disagree"] == [], row
+    assert {n: row["sources"].get(n) for n in weights} == dict.fromkeys(weights, "both"), row
