@@ -106,3 +106,13 @@ def test_fused_layers_the_forward_found_without_an_adapter_now_have_one(
     row = sweep.check(model_type, name, seconds=120)
     assert row["disagree"] == [], row
     assert {n: row["sources"].get(n) for n in weights} == dict.fromkeys(weights, "both"), row
+
+
+def test_a_model_whose_tiny_config_disagrees_with_itself_is_traced_at_its_default_widths(sweep: ModuleType) -> None:
+    """Swin's tiny config gives windows that do not tile its feature maps, so its forward raises; the
+    sweep then traces the default widths with one layer on meta (no values read, nothing computed)."""
+    row = sweep.check("swin", "SwinModel", seconds=120)
+    assert row["traced_at"] == "default widths, 1 layer, on meta", row
+    assert row["disagree"] == [], row
+    cfg = sweep.shallow(transformers.SwinConfig())
+    assert cfg.depths == transformers.SwinConfig().depths  # only the layer counts it knows by name change
