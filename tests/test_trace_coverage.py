@@ -27,6 +27,8 @@ class TransposedMatmul(nn.Module):  # x @ W.t() on a (3E, E) weight: the rows of
         self.qkv = nn.Parameter(torch.randn(3 * E, E))
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.how == "data":
+            return sum(part.sum() for part in F.linear(x, self.qkv.data).chunk(3, dim=-1))
         w = self.qkv.t() if self.how == "t" else self.qkv.transpose(0, 1) if self.how == "transpose" else self.qkv.T
         q, k, v = (x @ w).chunk(3, dim=-1)
         return (q * k).sum() + v.sum()
@@ -92,6 +94,7 @@ class SummedGates(nn.Module):  # torchrl LSTM (torchrl/modules/tensordict_module
         (lambda: TransposedMatmul("t"), "qkv", Layout(0, [E] * 3)),
         (lambda: TransposedMatmul("transpose"), "qkv", Layout(0, [E] * 3)),
         (lambda: TransposedMatmul("T"), "qkv", Layout(0, [E] * 3)),
+        (lambda: TransposedMatmul("data"), "qkv", Layout(0, [E] * 3)),
         (ColumnSplit, "kv", Layout(0, [E, E])),
         (LastDimExperts, "gate_up", Layout(2, [6, 6], transposed=True, batch_dims=1)),
         (lambda: StackedMatmul("bmm"), "gate_up_proj", Layout(2, [6, 6], transposed=True, batch_dims=1)),
@@ -99,7 +102,7 @@ class SummedGates(nn.Module):  # torchrl LSTM (torchrl/modules/tensordict_module
         (SummedGates, "weight_ih", Layout(0, [E] * 4)),
         (SummedGates, "weight_hh", Layout(0, [E] * 4)),
     ],
-    ids=["t", "transpose", "T", "column split", "last-dim experts", "bmm", "matmul", "sum ih", "sum hh"],
+    ids=["t", "transpose", "T", ".data", "column split", "last-dim experts", "bmm", "matmul", "sum ih", "sum hh"],
 )
 def test_forms_the_tracer_misread(module: type[nn.Module], name: str, expected: Layout) -> None:
     found = infer_layouts(module(), X.transpose(0, 1) if module is SummedGates else X)[name]

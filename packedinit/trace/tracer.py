@@ -223,8 +223,11 @@ class Tracer(TorchFunctionMode):
             if isinstance(out, Tensor):
                 self.refs[id(out)] = (out, ref)
             return
-        if name == "__get__":  # .T / .mT / .H
-            if not isinstance(out, Tensor) or out.dim() < 2 or tuple(out.shape) == tuple(first.shape):
+        if name == "__get__":  # .T / .mT / .H swap the last two dims; .data is the same view
+            if not isinstance(out, Tensor) or out.dim() < 2:
+                return
+            if out.shape == first.shape and out.stride() == first.stride():
+                self.refs[id(out)] = (out, ref)
                 return
             rows, cols = ref.rows.transpose(-2, -1), ref.cols.transpose(-2, -1)
         elif name == "__getitem__" and len(args) > 1 and isinstance(out, Tensor) and self._indexed_by_tensor(args[1]):
