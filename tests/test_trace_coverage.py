@@ -213,8 +213,12 @@ def _tiny(config: transformers.PretrainedConfig) -> nn.Module:
         (lambda: transformers.BartConfig(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
                                          decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16,
                                          vocab_size=40), {"input_ids", "decoder_input_ids"}),
+        (lambda: transformers.ParakeetEncoderConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                                    intermediate_size=16, num_mel_bins=8,
+                                                    subsampling_conv_channels=8), {"input_features"}),
     ],
-    ids=["image", "audio features + decoder", "raw audio", "video", "two towers", "encoder-decoder"],
+    ids=["image", "audio features + decoder", "raw audio", "video", "two towers", "encoder-decoder",
+         "frames-first features"],
 )  # fmt: skip
 def test_example_inputs_for_every_modality_run_the_forward(config: object, inputs: set[str]) -> None:
     model = _tiny(config())  # type: ignore[operator]  # a config factory
@@ -223,6 +227,9 @@ def test_example_inputs_for_every_modality_run_the_forward(config: object, input
     args, kwargs = built
     assert set(kwargs) - {"use_cache"} == inputs
     assert infer_layouts(model, *args, **kwargs)
+    if "input_features" in kwargs:  # Whisper: (batch, mel, frames) through a Conv1d; a conformer: (batch, frames, mel)
+        mel = 8
+        assert kwargs["input_features"].shape[1 if isinstance(model, transformers.WhisperModel) else 2] == mel
 
 
 def test_example_inputs_for_a_vision_tower_fed_patches_and_a_grid() -> None:

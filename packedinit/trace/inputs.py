@@ -130,8 +130,10 @@ def _audio(config: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
     return torch.zeros(shape, device=device, dtype=dtype)
 
 
-def _features(config: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
+def _features(config: Any, device: torch.device, dtype: torch.dtype, mel_first: bool = True) -> Tensor:
     audio = _sub(config, "audio_config", "encoder_config", "speech_config")
+    if hasattr(audio, "num_mel_bins") and not mel_first:  # a conformer: (batch, frames, mel bins)
+        return torch.zeros(BATCH, 32, _int(audio, "num_mel_bins", default=80), device=device, dtype=dtype)
     if hasattr(audio, "num_mel_bins"):  # Whisper-like: (batch, mel bins, 2 x positions after the strided conv)
         mel = _int(audio, "num_mel_bins", default=80)
         positions = _int(audio, "max_source_positions", default=32)
@@ -209,7 +211,11 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
         build = _BUILDERS.get(name)
         if name == "pixel_values" and hasattr(_sub(config, "vision_config"), "num_frames"):
             build = _video  # a video model whose main input is called pixel_values (VideoMAE, ViViT)
-        if build is not None:
+        if name == "input_features":  # mel bins first where a Conv1d reads them as channels (Whisper)
+            mel = getattr(_sub(config, "audio_config", "encoder_config", "speech_config"), "num_mel_bins", None)
+            first = any(isinstance(m, nn.Conv1d) and m.in_channels == mel for m in model.modules())
+            kwargs[name] = _features(config, device, dtype, mel_first=first)
+        elif build is not None:
             kwargs[name] = build(config, device, dtype)
         elif name in ("input_features_mask", "audio_mel_mask", "feature_attention_mask"):
             source = kwargs.get(name.removesuffix("_mask"), kwargs.get("input_features"))
