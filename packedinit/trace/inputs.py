@@ -96,7 +96,7 @@ def _image_size(vision: Any) -> int:
         size = size.get("height") or next(iter(size.values()), None)
     if isinstance(size, (list, tuple)) and size:
         size = size[0]
-    return size if isinstance(size, int) and size > 0 else 64
+    return size if isinstance(size, int) and size > 0 else 224  # a detector's queries need a real feature map
 
 
 def _pixels(config: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
@@ -203,8 +203,11 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
         names.append("decoder_input_ids")
     image_tokens = any(hasattr(config, k) for k in ("image_token_id", "image_token_index", "image_token"))
-    if hasattr(config, "vision_config") and "pixel_values" in params and not image_tokens:
-        names.append("pixel_values")  # a two-tower model (CLIP-like) needs both of its inputs
+    towers = hasattr(config, "vision_config") or (hasattr(config, "image_size") and "input_ids" in names)
+    if towers and "pixel_values" in params and not image_tokens:
+        names.append("pixel_values")  # a two-tower model (CLIP-like, ViLT) needs both of its inputs
+    if "pixel_values" in names and "input_ids" in params and hasattr(config, "text_config") and not image_tokens:
+        names.append("input_ids")  # an image model prompted by text (Kosmos-2, SAM 3)
     for name in names:
         if name not in params:
             continue
