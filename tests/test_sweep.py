@@ -95,6 +95,7 @@ def test_experts_the_forward_found_without_an_adapter_now_have_one(sweep: Module
         ("qwen3_5_text", {"layers.*.linear_attn.in_proj_qkv.weight", "layers.*.self_attn.q_proj.weight"}),
         ("exaone4_5_vision", {"blocks.*.attn.qkv.weight"}),  # [q: 64 | k: 32 | v: 32]
         ("glm4v_vision", {"blocks.*.attn.qkv.weight"}),
+        ("sam_vision_model", {"vision_encoder.layers.*.attn.qkv.weight"}),
     ],
 )
 def test_fused_layers_the_forward_found_without_an_adapter_now_have_one(

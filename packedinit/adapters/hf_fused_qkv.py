@@ -37,6 +37,11 @@ _VISION_QKV = (
     "exaone4_5.modeling_exaone4_5.Exaone4_5_VisionAttention",
     "blip.modeling_blip.BlipAttention",
     "hiera.modeling_hiera.HieraMaskUnitAttention",
+    "sam.modeling_sam.SamVisionAttention",  # and its SDPA subclass
+    "sam_hq.modeling_sam_hq.SamHQVisionAttention",
+    "sam2.modeling_sam2.Sam2MultiScaleAttention",
+    "timesformer.modeling_timesformer.TimesformerSelfAttention",
+    "vitdet.modeling_vitdet.VitDetAttention",
 )
 
 
