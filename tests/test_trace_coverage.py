@@ -110,6 +110,11 @@ def test_forms_the_tracer_misread(module: type[nn.Module], name: str, expected: 
     assert found.layout == expected
 
 
+def test_glu_halves_are_two_blocks() -> None:  # ported from main's forward.py (F.glu / nn.GLU)
+    model = nn.Sequential(nn.Linear(E, 2 * E), nn.GLU(dim=-1))
+    assert infer_layouts(model, X)["0.weight"].layout == Layout(0, [E, E])
+
+
 def test_a_stacked_down_projection_is_per_expert_and_not_packed() -> None:
     found = infer_layouts(StackedMatmul("bmm"), X)["down_proj"]
     assert (found.verdict, found.batch_dims) == ("not packed", 1), found

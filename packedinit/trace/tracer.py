@@ -180,6 +180,11 @@ class Tracer(TorchFunctionMode):
             self._tag(out, tuple((w, lab.unsqueeze(-1).expand(out.shape)) for w, lab in entries))
         elif name in _SAME:
             self._tag(out, entries)  # same shape, same rows: no need to copy the labels
+        elif name == "glu":  # F.glu / nn.GLU: a * sigmoid(b) on the two halves of dim, so two blocks
+            dim = args[1] if len(args) > 1 else kwargs.get("dim", -1)
+            for weight, labels in entries:
+                for half in labels.chunk(2, dim):
+                    self._piece(weight, labels, half)
         elif name in _SHAPE_METHODS:
             for weight, labels in entries:
                 sub = func(labels, *args[1:], **kwargs)
