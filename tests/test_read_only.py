@@ -113,11 +113,6 @@ def test_property_infer_layouts_and_audit_with_inputs_are_read_only_in_eval_mode
     assert found["qkv.weight"].verdict == "packed"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the tracer runs the forward in the model's own mode: in train mode BatchNorm's running statistics "
-    "and the CPU RNG (dropout) move; helper i26t rewrites the tracer to be read-only by construction",
-)
 @pytest.mark.parametrize("call", ["infer_layouts", "audit"])
 def test_infer_layouts_and_audit_with_inputs_are_read_only_in_train_mode(call: str) -> None:
     model = build(0, 0.5, [True] * 5, [True] * 5, True)
@@ -129,3 +124,54 @@ def test_infer_layouts_and_audit_with_inputs_are_read_only_in_train_mode(call: s
     else:
         packedinit.audit(model, example_inputs=(x,))
     assert_unchanged(before, snapshot(model, generator))
+
+
+class Wild(nn.Module):
+    """A forward that does everything a read-only call must not let through: it writes its own weight
+    and buffer in place, draws from the global RNG with no device, updates batch norm, writes its input,
+    and (``values=True``) reads a value, so the meta twin cannot run it and the full copy does."""
+
+    def __init__(self, values: bool) -> None:
+        super().__init__()
+        self.values = values
+        self.qkv = nn.Linear(E, 3 * E)
+        self.norm = nn.BatchNorm1d(E)
+        self.register_buffer("steps", torch.zeros(()))
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.qkv.weight.add_(1.0)
+        self.steps += 1
+        x.mul_(2.0)
+        noise = torch.randn(E)  # on the CPU, whatever device the model is on
+        if self.values and float(self.steps) > 0:  # a value: no meta forward
+            noise = noise * 2
+        q, k, v = self.qkv(self.drop(x)).split(E, dim=-1)
+        return self.norm(q * k + v + noise.to(x.device)).sum()
+
+
+@pytest.mark.parametrize("values", [False, True], ids=["meta twin", "full copy"])
+def test_a_forward_that_writes_everything_leaves_model_input_and_rngs_as_they_were(values: bool) -> None:
+    torch.manual_seed(0)
+    model = Wild(values).train()
+    model.register_forward_hook(lambda mod, args, out: None)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(4, E, generator=generator)
+    x_before = x.clone()
+    before = snapshot(model, generator)
+    found = packedinit.infer_layouts(model, x)
+    assert_unchanged(before, snapshot(model, generator))
+    assert torch.equal(x, x_before)
+    assert found["qkv.weight"].layout == packedinit.Layout(0, [E] * 3)
+
+
+def test_the_twin_used_is_meta_where_the_forward_allows_and_a_copy_where_it_reads_values() -> None:
+    from packedinit.trace.twin import run_read_only
+
+    def kind(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        model(*args, **kwargs)
+        return str(next(model.parameters()).device)
+
+    x = torch.randn(4, E)
+    assert run_read_only(Wild(False), (x,), {}, kind) == ("meta", "meta")
+    assert run_read_only(Wild(True), (x,), {}, kind) == ("cpu", "copy")

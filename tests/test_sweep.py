@@ -57,8 +57,9 @@ def test_a_failure_is_listed_with_its_reason(sweep: ModuleType, tmp_path: Path) 
         {"model_type": "broken", "class": "BrokenModel", "built": False, "clean": False, "error": "ValueError: x"},
     ]
     text = sweep.page(rows, 1.0)
-    assert "| 2 | 1 | 1 | 1 | 1 |" in text
+    assert "| 2 | 1 | 1 (100.0%) | 1 | 1 |" in text
     assert "| broken | BrokenModel | ValueError: x |" in text
+    assert "| gpt2 | GPT2Model | yes (input_ids) | `h.*.attn.c_attn.weight` both | - | ok | yes |" in text
     out = tmp_path / "rows.jsonl"
     out.write_text("\n".join(json.dumps(r) for r in rows))
     page = tmp_path / "sweep.md"
@@ -74,3 +75,45 @@ def test_mla_without_a_rotary_part_claims_nothing_it_cannot_split(sweep: ModuleT
     assert row["built"], row
     assert row.get("error") is None, row
     assert not str(row["audit"]).startswith("FAILED"), row
+
+
+@pytest.mark.parametrize("model_type", ["cohere2_moe", "aria_text", "llama4_text"])
+def test_experts_the_forward_found_without_an_adapter_now_have_one(sweep: ModuleType, model_type: str) -> None:
+    """Before: the tracer (following transformers' default grouped_mm experts) showed these stacks split
+    into [gate | up] per expert, and no adapter described them: they were initialised with 3-D fans."""
+    (name,) = [n for t, n in sweep.models([model_type])]
+    row = sweep.check(model_type, name, seconds=120)
+    assert row["disagree"] == [], row
+    stacks = {n: who for n, who in row["sources"].items() if n.endswith("experts.gate_up_proj")}
+    assert stacks, row
+    assert set(stacks.values()) == {"both"}, row
+
+
+@pytest.mark.parametrize(
+    ("model_type", "weights"),
+    [
+        ("qwen3_5_text", {"layers.*.linear_attn.in_proj_qkv.weight", "layers.*.self_attn.q_proj.weight"}),
+        ("exaone4_5_vision", {"blocks.*.attn.qkv.weight"}),  # [q: 64 | k: 32 | v: 32]
+        ("glm4v_vision", {"blocks.*.attn.qkv.weight"}),
+        ("sam_vision_model", {"vision_encoder.layers.*.attn.qkv.weight"}),
+    ],
+)
+def test_fused_layers_the_forward_found_without_an_adapter_now_have_one(
+    sweep: ModuleType, model_type: str, weights: set[str]
+) -> None:
+    """Before: the forward showed Qwen3.5's linear-attention [q | k | v] and per-head [q | gate] queries,
+    and the vision towers' fused qkv, and no adapter described them (issue 26)."""
+    (name,) = [n for t, n in sweep.models([model_type])]
+    row = sweep.check(model_type, name, seconds=120)
+    assert row["disagree"] == [], row
+    assert {n: row["sources"].get(n) for n in weights} == dict.fromkeys(weights, "both"), row
+
+
+def test_a_model_whose_tiny_config_disagrees_with_itself_is_traced_at_its_default_widths(sweep: ModuleType) -> None:
+    """Swin's tiny config gives windows that do not tile its feature maps, so its forward raises; the
+    sweep then traces the default widths with one layer on meta (no values read, nothing computed)."""
+    row = sweep.check("swin", "SwinModel", seconds=120)
+    assert row["traced_at"] == "default widths, 1 layer, on meta", row
+    assert row["disagree"] == [], row
+    cfg = sweep.shallow(transformers.SwinConfig())
+    assert cfg.depths == transformers.SwinConfig().depths  # only the layer counts it knows by name change

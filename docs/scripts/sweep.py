@@ -8,11 +8,13 @@ counted with its reason. A built model is then checked:
 1. ``to_empty(device="cpu")`` then ``packedinit.reset_parameters(model, strict=True)``: passes,
    or its message is recorded (what the model's own init leaves unset);
 2. ``packedinit.audit(model)`` runs and gives its one-line answer;
-3. for models whose main input is ``input_ids``: ``packedinit.infer_layouts`` on a (2, 5) token
-   batch, compared with ``packedinit.layouts(model)`` (every weight where they disagree is listed).
+3. ``packedinit.infer_layouts`` on the input ``packedinit.trace.inputs.example_inputs`` builds from the
+   config (token ids, pixel values, audio, video, patches and grid, time series; decoder ids for an
+   encoder-decoder), compared with ``packedinit.layouts(model)`` (every weight where they disagree is
+   listed; for every packed weight, whether the adapters, the forward or both describe it).
 
-A model is *clean* when all three pass with no disagreement. Results go to a JSON-lines file
-(one line per model, so a run cut short keeps what it did) and a Markdown page
+A model is *clean* when all three pass, the forward was traced, and it agrees with the adapters.
+Results go to a JSON-lines file (one line per model, so a run cut short keeps what it did) and a Markdown page
 (``--page``, default ``docs/pages/sweep.md``). ``--only`` limits the run to some model types
 (the tests run a fast subset this way).
 """
@@ -37,6 +39,7 @@ import torch
 
 import packedinit
 from packedinit.trace.compare import disagreements
+from packedinit.trace.inputs import example_inputs
 
 _SIZES: dict[str, int] = {
     "hidden_size": 64, "d_model": 64, "n_embd": 64, "dim": 64, "embed_dim": 64, "n_embed": 64, "d_embed": 64,
@@ -97,11 +100,80 @@ def shrink(config: Any, depth: int = 0) -> Any:
             for key in ("num_hidden_layers", "num_layers"):
                 if hasattr(config, key):
                     setattr(config, key, len(kept))
+    rotary = getattr(config, "rotary_dim", None)  # GPT-J, CodeGen: the rotary part fits in a head
+    if isinstance(rotary, int) and isinstance(hidden, int) and isinstance(heads, int) and rotary > hidden // heads:
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            config.rotary_dim = hidden // heads
+    mamba_expand = getattr(config, "mamba_expand", None)  # Bamba, GraniteMoeHybrid: heads x head dim = expand x hidden
+    if isinstance(mamba_expand, int) and isinstance(hidden, int) and hasattr(config, "mamba_n_heads"):
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            config.mamba_n_heads = 4
+            config.mamba_d_head = mamba_expand * hidden // 4
+    rope = getattr(config, "rope_parameters", None)
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None)
+    if not isinstance(head_dim, int) and isinstance(hidden, int) and isinstance(heads, int) and heads:
+        head_dim = hidden // heads
+    if isinstance(rope, dict) and isinstance(head_dim, int):  # multimodal rotary (Qwen-VL, GLM-4V): sections of half
+        factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        total = int(head_dim * (factor if isinstance(factor, float) else 1.0)) // 2
+        third = total * 3 // 8
+        rope["mrope_section"] = [total - 2 * third, third, third]
     if depth < 3:
         for value in list(vars(config).values()):
             if isinstance(value, PretrainedConfig):
                 shrink(value, depth + 1)
     return config
+
+
+_DEPTHS = [k for k, v in _SIZES.items() if v == 1]
+
+
+def shallow(config: Any, depth: int = 0) -> Any:
+    """One layer (of each kind) per stack, every width as the config has it: a model whose shapes all agree."""
+    from transformers import PretrainedConfig
+
+    for key in _DEPTHS:
+        old = getattr(config, key, None)
+        if isinstance(old, int) and not isinstance(old, bool) and old > 1:
+            with contextlib.suppress(AttributeError, TypeError, ValueError):
+                setattr(config, key, 1)
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, list) and len(layer_types) > 1:
+        kept = list(dict.fromkeys(layer_types))[:2]
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            config.layer_types = kept
+            for key in ("num_hidden_layers", "num_layers"):
+                if hasattr(config, key):
+                    setattr(config, key, len(kept))
+    if depth < 3:
+        for value in list(vars(config).values()):
+            if isinstance(value, PretrainedConfig):
+                shallow(value, depth + 1)
+    return config
+
+
+def _trace(row: dict[str, Any], model: Any) -> None:
+    """Trace ``model`` on the input example_inputs builds and compare with the adapters; into ``row``."""
+    built_inputs = example_inputs(model)
+    if built_inputs is None:
+        row["trace"] = f"not run: no example input for main input {getattr(model, 'main_input_name', None)!r}"
+        return
+    model.eval()
+    args, kwargs = built_inputs
+    row["inputs"] = sorted(k for k in kwargs if k != "use_cache") or [type(a).__name__ for a in args]
+    try:
+        found = packedinit.infer_layouts(model, *args, **kwargs)
+    except Exception as e:
+        row["trace"] = _why(e.__cause__ or e)
+        return
+    claimed = packedinit.layouts(model)
+    row.pop("trace", None)
+    row["traced"] = len(found)
+    row["packed_by_forward"] = sum(1 for f in found.values() if f.verdict == "packed")
+    row["opaque"] = sum(1 for f in found.values() if f.verdict == "opaque")
+    row["disagree"] = [f"{n}: {why}" for n, why in disagreements(found, claimed)]
+    row["sources"] = _sources(found, claimed)
 
 
 class _TimeLimitError(Exception):
@@ -125,6 +197,22 @@ def _limit(seconds: int) -> Iterator[None]:
 def _why(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}".replace("\n", " ").replace("|", "/")
     return text[:240]
+
+
+def _sources(found: dict[str, Any], claimed: dict[str, Any]) -> dict[str, str]:
+    """Every packed weight (layer numbers folded to ``*``) and who describes it: ``both``, ``adapter``, ``forward``.
+
+    ``adapter`` alone: the forward did not show it split (``opaque``: it could not follow the weight).
+    """
+    forward = {n for n, f in found.items() if f.verdict == "packed"}
+    adapters = {n for n, lay in claimed.items() if (len(lay.sizes) > 1 or lay.groups > 1) and n in found}  # weights
+    out: dict[str, str] = {}
+    for name in sorted(forward | adapters):
+        who = "both" if name in forward and name in adapters else "forward" if name in forward else "adapter"
+        if who == "adapter" and name in found and found[name].verdict == "opaque":
+            who = "adapter (forward opaque)"
+        out.setdefault(re.sub(r"\.\d+\.", ".*.", name), who)
+    return out
 
 
 def check(model_type: str, class_name: str, seconds: int = 60) -> dict[str, Any]:
@@ -155,156 +243,90 @@ def check(model_type: str, class_name: str, seconds: int = 60) -> dict[str, Any]
                 row["audit"] = "FAILED " + _why(e)
             claimed = packedinit.layouts(model)
             row["claimed"] = len(claimed)
-            if getattr(model, "main_input_name", None) == "input_ids":
-                model.eval()
-                ids = torch.randint(1, 200, (2, 5), generator=torch.Generator().manual_seed(0))
-                extra = {"decoder_input_ids": ids} if getattr(config, "is_encoder_decoder", False) else {}
+            _trace(row, model)
+            if "traced" not in row and not str(row.get("trace", "")).startswith("not run"):
+                # the tiny config's shapes may not agree (a sub-config shrunk, its projector not): trace the
+                # default widths, one layer, on meta (no values, no compute)
+                tiny_failure = row["trace"]
                 try:
-                    found = packedinit.infer_layouts(model, input_ids=ids, **extra)
-                    row["traced"] = len(found)
-                    row["packed_by_forward"] = sum(1 for f in found.values() if f.verdict == "packed")
-                    row["opaque"] = sum(1 for f in found.values() if f.verdict == "opaque")
-                    row["disagree"] = [f"{n}: {why}" for n, why in disagreements(found, claimed)]
+                    with torch.device("meta"):
+                        wide = cls(shallow(CONFIG_MAPPING[model_type]()))
+                    _trace(row, wide)
                 except Exception as e:
-                    row["trace"] = _why(e.__cause__ or e)
-            else:
-                row["trace"] = f"not run: main input is {getattr(model, 'main_input_name', None)!r}"
+                    row["trace"] = _why(e)
+                if "traced" in row:
+                    row["traced_at"] = "default widths, 1 layer, on meta"
+                else:
+                    row["trace"] = f"{row.get('trace')} (tiny config: {tiny_failure})"[:400]
     except _TimeLimitError as e:
         row["error"] = f"timeout ({e})"
     except Exception as e:
         row["error"] = _why(e)
         row["where"] = traceback.extract_tb(e.__traceback__)[-1].name if e.__traceback__ else ""
     row["seconds"] = round(time.perf_counter() - start, 2)
-    row["clean"] = (
+    row["clean"] = (  # traced, and the adapters and the forward agree
         row["built"]
         and row.get("reset") == "ok"
         and not str(row.get("audit", "FAILED")).startswith("FAILED")
+        and "traced" in row
         and not row.get("disagree")
-        and not str(row.get("trace", "not run")).startswith(("PackedInitError", "RuntimeError", "TypeError", "Value"))
         and "error" not in row
     )
     return row
 
 
-def _short(text: object, limit: int) -> str:
-    """``text`` cut at a word boundary to about ``limit`` characters (long cells would push the table wide)."""
-    text = " ".join(str(text).split()).replace("|", "/")
-    if len(text) <= limit:
-        return text
-    cut = text[:limit].rsplit(" ", 1)[0]
-    return cut.rstrip(",;:") + " ..."
-
-
-def _traced(r: dict[str, Any]) -> str:
-    if "traced" in r:
-        return f"yes, {r['traced']} weights"
-    trace = str(r.get("trace", r.get("error", "")))
-    if trace.startswith("not run: main input is "):
-        return f"no (input {trace.rsplit(' ', 1)[-1]})"
-    return "failed"
-
-
-def _packed(r: dict[str, Any]) -> str:
-    """Packed weights found, and where their layout came from (the adapters, the forward)."""
-    only_forward = [d.split(":", 1)[0] for d in r.get("disagree", []) if "no adapter or annotation" in d]
-    parts = []
-    if r.get("claimed"):
-        agree = ", the forward agrees" if r.get("packed_by_forward") and not r.get("disagree") else ""
-        parts.append(f"{r['claimed']} from adapters{agree}")
-    if only_forward:
-        names = ", ".join(f"`{n}`" for n in only_forward[:2]) + (
-            f" +{len(only_forward) - 2}" if len(only_forward) > 2 else ""
-        )
-        parts.append(f"{len(only_forward)} only from the forward (no adapter): {names}")
-    other = [d for d in r.get("disagree", []) if "no adapter or annotation" not in d]
-    if other:
-        parts.append(f"{len(other)} where adapters and forward disagree: {_short(other[0], 80)}")
-    return "; ".join(parts) or "none"
-
-
-def _why_not_clean(r: dict[str, Any]) -> str:
-    why = []
-    if r.get("reset", "ok") != "ok":
-        message = re.sub(r"^\w+: reset_parameters\([^)]*\): ", "", str(r["reset"]))
-        why.append("reset_parameters: " + _short(message, 110))
-    if str(r.get("audit", "")).startswith("FAILED"):
-        why.append("audit: " + _short(r["audit"], 80))
-    if r.get("disagree"):
-        why.append("the forward shows packing no adapter describes" if _packed(r).count("only from") else "disagree")
-    trace = str(r.get("trace", ""))
-    if "traced" not in r and trace.startswith(("PackedInitError", "RuntimeError", "TypeError", "Value")):
-        why.append("the forward, given only `input_ids`, failed: " + _short(trace, 70))
-    if "error" in r:
-        why.append(_short(r["error"], 110))
-    return "; ".join(why)
+def _cell(text: object, width: int = 300) -> str:
+    return str(text).replace("|", "/").replace("\n", " ")[:width]
 
 
 def page(rows: Sequence[dict[str, Any]], elapsed: float) -> str:
-    """The Markdown page."""
+    """The Markdown page: the totals, then every built model (traced or why not, what is packed and who says so)."""
     import transformers
 
     built = [r for r in rows if r["built"]]
     clean = [r for r in built if r["clean"]]
     traced = [r for r in built if "traced" in r]
+    share = f"{100 * len(traced) / len(built):.1f}%" if built else "-"
     lines = [
         "# The transformers sweep",
         "",
         f"Every base model class of transformers {transformers.__version__} (torch {torch.__version__}), "
         f"built from its default config shrunk to hidden 64, 1 layer, 4 heads, vocab 256, 4 experts, "
-        f"and checked: `to_empty` + `packedinit.reset_parameters(strict=True)`, `packedinit.audit`, and for "
-        f"token models the forward tracer (`packedinit.infer_layouts`) against the registered adapters. "
-        f"Regenerate with `PYTHONPATH=. python docs/scripts/sweep.py` ({elapsed / 60:.0f} min on a shared "
-        f"2-core machine).",
+        f"and checked: `to_empty` + `packedinit.reset_parameters(strict=True)`, `packedinit.audit`, and the "
+        f"forward tracer (`packedinit.infer_layouts`, on the input `packedinit.trace.inputs.example_inputs` "
+        f"builds from the config: token ids, pixel values, audio, video, patches, time series) against the "
+        f"registered adapters. A model is *clean* only if it was traced and the forward and the adapters agree "
+        f"on every weight the forward could follow. Regenerate with `PYTHONPATH=. python docs/scripts/sweep.py` "
+        f"({elapsed / 60:.0f} min on a shared 2-core machine).",
         "",
-        "| tried | built | clean | traced | build failures |",
+        "| tried | built | traced | clean | build failures |",
         "|---|---|---|---|---|",
-        f"| {len(rows)} | {len(built)} | {len(clean)} | {len(traced)} | {len(rows) - len(built)} |",
+        f"| {len(rows)} | {len(built)} | {len(traced)} ({share}) | {len(clean)} | {len(rows) - len(built)} |",
         "",
-        "## Built, not clean",
+        "## Every built model",
         "",
-        "Per model: whether its forward was traced (token models only: the tracer feeds `input_ids`), the "
-        "packed weights found and where their layout came from (the registered adapters, or only the "
-        "forward), and why the model is not clean. Each model's class and the full messages are in "
-        "`docs/bench/sweep.jsonl`.",
+        "*Packed* lists every weight with more than one block (layer numbers folded to `*`) and where its layout "
+        "comes from: `both` (an adapter and the forward agree), `adapter` (the forward did not show a split), "
+        "`forward` (no adapter describes it: listed under *disagreements* too).",
         "",
-        '<div class="sweep-table" markdown>',
-        "",
-        "| model | traced | packed weights: layout from | why not clean |",
-        "|---|---|---|---|",
+        "| model type | class | traced | packed | disagreements | reset_parameters(strict=True) | clean |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in built:
-        if r["clean"]:
-            continue
-        lines.append(f"| {r['model_type']} | {_traced(r)} | {_packed(r)} | {_why_not_clean(r)} |")
-    lines += [
-        "",
-        "</div>",
-        "",
-        "## Clean",
-        "",
-        "Built, `reset_parameters(strict=True)` and `audit` pass, and where the forward was traced it agrees "
-        "with the adapters.",
-        "",
-        '<div class="sweep-table" markdown>',
-        "",
-        "| model | traced | packed weights: layout from |",
-        "|---|---|---|",
-    ]
-    lines += [f"| {r['model_type']} | {_traced(r)} | {_packed(r)} |" for r in clean]
-    lines += ["", "</div>"]
-    lines += [
-        "",
-        "## Not built",
-        "",
-        '<div class="sweep-table" markdown>',
-        "",
-        "| model type | class | reason |",
-        "|---|---|---|",
-    ]
+        why_not = r.get("trace", r.get("error", ""))
+        at = f"; {r['traced_at']}" if "traced_at" in r else ""
+        how = f"yes ({', '.join(r.get('inputs', []))}{at})" if "traced" in r else f"no: {why_not}"
+        packed = "; ".join(f"`{n}` {who}" for n, who in r.get("sources", {}).items()) or "-"
+        disagree = "; ".join(r.get("disagree", [])) or "-"
+        lines.append(
+            f"| {r['model_type']} | {r['class']} | {_cell(how, 200)} | {_cell(packed, 400)} | {_cell(disagree)} "
+            f"| {_cell(r.get('reset', r.get('error', '')), 160)} | {'yes' if r['clean'] else 'no'} |"
+        )
+    lines += ["", "## Not built", "", "| model type | class | reason |", "|---|---|---|"]
     for r in rows:
         if not r["built"]:
-            lines.append(f"| {r['model_type']} | {r['class']} | {_short(r.get('error', ''), 160)} |")
-    lines += ["", "</div>", ""]
+            lines.append(f"| {r['model_type']} | {r['class']} | {_cell(r.get('error', ''), 200)} |")
+    lines += ["", "## Clean", "", ", ".join(f"`{r['model_type']}`" for r in clean), ""]
     return "\n".join(lines).replace("\\", "/")
 
 

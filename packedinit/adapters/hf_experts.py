@@ -97,6 +97,62 @@ _EXPERTS = (
     "deepseek_v2.modeling_deepseek_v2.DeepseekV2Experts",
     "jamba.modeling_jamba.JambaExperts",
     "qwen3_next.modeling_qwen3_next.Qwen3NextExperts",
+    # every other class transformers 5.24 decorates with ``use_experts_implementation``: the decorator sets
+    # the flags experts_layouts reads, and its grouped_mm / batched_mm forwards honour them (the sweep traces them)
+    "afmoe.modeling_afmoe.AfmoeExperts",
+    "aria.modeling_aria.AriaExperts",
+    "axk1.modeling_axk1.AXK1Experts",
+    "axk2.modeling_axk2.AXK2Experts",
+    "bailing_hybrid.modeling_bailing_hybrid.BailingHybridExperts",
+    "beam.modeling_beam.BeamExperts",
+    "cohere2_moe.modeling_cohere2_moe.Cohere2MoeExperts",
+    "deepseek_ocr2.modeling_deepseek_ocr2.DeepseekOcr2TextExperts",
+    "deepseek_v32.modeling_deepseek_v32.DeepseekV32Experts",
+    "deepseek_v4.modeling_deepseek_v4.DeepseekV4Experts",
+    "diffusion_gemma.modeling_diffusion_gemma.DiffusionGemmaTextExperts",
+    "dots1.modeling_dots1.Dots1Experts",
+    "dots3_note.modeling_dots3_note.Dots3NoteExperts",
+    "ernie4_5_vl_moe.modeling_ernie4_5_vl_moe.Ernie4_5_VLMoeMoeExperts",
+    "exaone_moe.modeling_exaone_moe.ExaoneMoeExperts",
+    "flex_olmo.modeling_flex_olmo.FlexOlmoExperts",
+    "flint.modeling_flint.FlintExperts",
+    "gemma4.modeling_gemma4.Gemma4TextExperts",
+    "glm4_moe_lite.modeling_glm4_moe_lite.Glm4MoeLiteExperts",
+    "glm4v_moe.modeling_glm4v_moe.Glm4vMoeTextExperts",
+    "glm5_next.modeling_glm5_next.Glm5NextTextExperts",
+    "glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaExperts",
+    "granitemoe_swa.modeling_granitemoe_swa.GraniteMoeSWAExperts",
+    "granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridExperts",
+    "granitemoeshared.modeling_granitemoeshared.GraniteMoeSharedExperts",
+    "hunyuan_v1_moe.modeling_hunyuan_v1_moe.HunYuanMoEV1Experts",
+    "hy_v3.modeling_hy_v3.HYV3Experts",
+    "hy_v4.modeling_hy_v4.HYV4Experts",
+    "hy_v4_vl.modeling_hy_v4_vl.HYV4VLExperts",
+    "inkling.modeling_inkling.InklingExperts",
+    "inkling2.modeling_inkling2.Inkling2Experts",
+    "inkling2_loop.modeling_inkling2_loop.Inkling2LoopExperts",
+    "kimi_linear.modeling_kimi_linear.KimiLinearExperts",
+    "kolibri1.modeling_kolibri1.Kolibri1Experts",
+    "laguna.modeling_laguna.LagunaExperts",
+    "lara_mini.modeling_lara_mini.LaraMiniExperts",
+    "lfm2_moe.modeling_lfm2_moe.Lfm2MoeExperts",
+    "mellum.modeling_mellum.MellumExperts",
+    "mimo_v2_flash.modeling_mimo_v2_flash.MiMoV2FlashExperts",
+    "minimax_m2.modeling_minimax_m2.MiniMaxM2Experts",
+    "minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLExperts",
+    "mistral4.modeling_mistral4.Mistral4Experts",
+    "mistral_large4.modeling_mistral_large4.MistralLarge4TextExperts",
+    "muse_spark.modeling_muse_spark.MuseSparkExperts",
+    "nemotron_h.modeling_nemotron_h.NemotronHExperts",
+    "openai_privacy_filter.modeling_openai_privacy_filter.OpenAIPrivacyFilterExperts",
+    "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeExperts",
+    "qwen3_omni_moe.modeling_qwen3_omni_moe.Qwen3OmniMoeTalkerTextExperts",
+    "qwen3_omni_moe.modeling_qwen3_omni_moe.Qwen3OmniMoeThinkerTextExperts",
+    "qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeTextExperts",
+    "qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextExperts",
+    "solar_open.modeling_solar_open.SolarOpenExperts",
+    "unlimited_ocr.modeling_unlimited_ocr.UnlimitedOcrTextExperts",
+    "zaya.modeling_zaya.ZayaExperts",
 )
 for _path in _EXPERTS:
     register(f"{M}.{_path}")(experts_layouts)
@@ -117,5 +173,23 @@ def _dbrx_experts(module: nn.Module) -> Mapping[str, Layout]:
             "w1": Layout(dim=0, sizes=[ffn] * n),
             "v1": Layout(dim=0, sizes=[ffn] * n),
             "w2": Layout(dim=0, sizes=[ffn] * n, transposed=True),
+        },
+    )
+
+
+@register(f"{M}.llama4.modeling_llama4.Llama4TextExperts")
+def _llama4_experts(module: nn.Module) -> Mapping[str, Layout]:
+    """``gate_up_proj`` ``(n, hidden, 2I)`` and ``down_proj`` ``(n, I, hidden)``, both used as ``bmm(x, W)``
+    (stored ``(in, out)``); ``gate, up = gate_up.chunk(2, dim=-1)`` (transformers/models/llama4/modeling_llama4.py,
+    ``Llama4TextExperts.forward``)."""
+    down = tensor(module, "down_proj")
+    if down is None or down.dim() != 3:
+        return {}
+    inter, hidden = int(down.shape[1]), int(down.shape[2])
+    return fit(
+        module,
+        {
+            "gate_up_proj": fused_gate_up(inter, transposed=True, stacked=True),
+            "down_proj": Layout(dim=2, sizes=[hidden], transposed=True, batch_dims=1),
         },
     )

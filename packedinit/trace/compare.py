@@ -4,12 +4,9 @@ same blocks, and where the forward and the registered layouts disagree."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from packedinit.layout import Layout
-
-if TYPE_CHECKING:
-    from packedinit.trace.forward import Inferred
+from packedinit.trace.verdict import Inferred
 
 __all__ = ["layout_of_labels", "same_blocks", "disagreements"]
 
@@ -75,7 +72,7 @@ def disagreements(inferred: Mapping[str, Inferred], claimed: Mapping[str, Layout
     """``(name, why)`` for every weight where the forward and the registered layouts disagree (opaque ones skipped).
 
     Examples:
-        >>> from packedinit.trace.forward import Inferred
+        >>> from packedinit.trace.verdict import Inferred
         >>> seen = {"w": Inferred("packed", Layout(0, [4, 4]), "split")}
         >>> disagreements(seen, {})
         [('w', 'the forward shows Layout(dim=0, sizes=(4, 4)); no adapter or annotation describes it')]

@@ -1,31 +1,268 @@
-"""Example inputs built from a model, for the forward tracer: :func:`example_inputs`."""
+"""Example inputs built from a model's own description, so the forward can be traced without the caller's data.
+
+:func:`example_inputs` reads a transformers model's config and forward signature (transformers is never
+imported: the model is read through its attributes) and builds a tiny batch for its main input: token
+ids, pixel values, raw audio, audio features, video frames, vision-tower patches with their grid, time
+series; encoder-decoder models get decoder ids too. ``torch.nn`` modules whose input follows from their
+attributes (``MultiheadAttention``, ``Transformer`` and its layers, ``LSTM`` / ``GRU`` / ``RNN`` and their
+cells) get one as well. Inputs go on the model's device; on the meta device they cost nothing.
+"""
 
 from __future__ import annotations
 
+import inspect
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 __all__ = ["example_inputs"]
 
+Inputs = tuple[tuple[Any, ...], dict[str, Any]]
+BATCH, TOKENS = 2, 5
 
-def example_inputs(model: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """``(args, kwargs)`` that ``model``'s forward accepts, built from its config; None where none can be built.
 
-    A transformers text model (a ``config`` with ``vocab_size``) gets 2 x 4 token ids (and
-    decoder ids for an encoder-decoder). No random number is drawn.
+def _where(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    for t in (*model.parameters(), *model.buffers()):
+        if t.is_floating_point():
+            return t.device, t.dtype
+    first = next(iter(model.parameters()), None)
+    return (first.device if first is not None else torch.device("cpu")), torch.get_default_dtype()
+
+
+def _int(config: Any, *keys: str, default: int) -> int:
+    for key in keys:
+        value = getattr(config, key, None)
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], int):
+            value = value[0]
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return default
+
+
+def _sub(config: Any, *names: str) -> Any:
+    for name in names:
+        sub = getattr(config, name, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            return sub
+    return config
+
+
+# -- torch.nn ---------------------------------------------------------------------------------------
+
+
+def _seq(device: torch.device, dtype: torch.dtype, batch_first: bool, width: int) -> Tensor:
+    shape = (BATCH, 3, width) if batch_first else (3, BATCH, width)
+    return torch.zeros(shape, device=device, dtype=dtype)
+
+
+def _torch_nn(model: nn.Module, device: torch.device, dtype: torch.dtype) -> Inputs | None:
+    if isinstance(model, nn.MultiheadAttention):
+        first = model.batch_first
+        q = _seq(device, dtype, first, model.embed_dim)
+        return (q, _seq(device, dtype, first, model.kdim), _seq(device, dtype, first, model.vdim)), {}
+    if isinstance(model, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        attn = model.self_attn
+        x = _seq(device, dtype, attn.batch_first, attn.embed_dim)
+        return ((x,) if isinstance(model, nn.TransformerEncoderLayer) else (x, x)), {}
+    if isinstance(model, (nn.TransformerEncoder, nn.TransformerDecoder)) and len(model.layers):
+        attn = model.layers[0].self_attn
+        x = _seq(device, dtype, attn.batch_first, attn.embed_dim)
+        return ((x,) if isinstance(model, nn.TransformerEncoder) else (x, x)), {}
+    if isinstance(model, nn.Transformer):
+        x = _seq(device, dtype, model.batch_first, model.d_model)
+        return (x, x), {}
+    if isinstance(model, nn.RNNBase):
+        return (_seq(device, dtype, model.batch_first, model.input_size),), {}
+    if isinstance(model, nn.RNNCellBase):
+        return (torch.zeros(BATCH, model.input_size, device=device, dtype=dtype),), {}
+    return None
+
+
+# -- transformers: one builder per input name -------------------------------------------------------
+
+
+def _ids(config: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
+    vocab = _int(config.get_text_config() if hasattr(config, "get_text_config") else config, "vocab_size", default=100)
+    ids = (torch.arange(BATCH * TOKENS) % max(min(vocab, 200) - 1, 1) + 1).view(BATCH, TOKENS)
+    return ids.to(device)
+
+
+def _image_size(vision: Any) -> int:
+    size = getattr(vision, "image_size", None)
+    if isinstance(size, dict):
+        size = size.get("height") or next(iter(size.values()), None)
+    if isinstance(size, (list, tuple)) and size:
+        size = size[0]
+    return size if isinstance(size, int) and size > 0 else 224  # a detector's queries need a real feature map
+
+
+def _pixels(config: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
+    vision = _sub(config, "vision_config", "backbone_config", "encoder_config")
+    channels = _int(vision, "num_channels", "in_channels", "in_chans", "input_channels", default=3)
+    size = _image_size(vision)
+    return torch.zeros(BATCH, channels, size, size, device=device, dtype=dtype)
+
+
+def _video(config: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
+    vision = _sub(config, "vision_config", "video_config")
+    frames = _int(vision, "num_frames", "frames_per_clip", default=4)
+    tubelet = _int(vision, "tubelet_size", default=1)
+    frames = max(frames, tubelet) // tubelet * tubelet
+    channels = _int(vision, "num_channels", "in_channels", default=3)
+    size = _image_size(vision)
+    return torch.zeros(BATCH, frames, channels, size, size, device=device, dtype=dtype)
+
+
+def _audio(config: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
+    audio = _sub(config, "audio_config", "encoder_config")
+    if hasattr(audio, "num_mel_bins") and hasattr(audio, "max_length"):  # a spectrogram (Audio Spectrogram Transformer)
+        frames = _int(audio, "max_length", default=64)
+        return torch.zeros(BATCH, frames, _int(audio, "num_mel_bins", default=64), device=device, dtype=dtype)
+    codec = any(hasattr(audio, k) for k in ("upsampling_ratios", "downsampling_ratios", "hop_length", "codebook_size"))
+    strides = getattr(audio, "conv_stride", None)
+    hop = math.prod(strides) if isinstance(strides, (list, tuple)) and strides else 320
+    length = max(hop * 16, 4000)
+    channels = getattr(audio, "audio_channels", 1 if codec else None)  # a codec reads (batch, channels, samples)
+    shape = (BATCH, channels, length) if isinstance(channels, int) and channels > 0 else (BATCH, length)
+    return torch.zeros(shape, device=device, dtype=dtype)
+
+
+def _features(config: Any, device: torch.device, dtype: torch.dtype, mel_first: bool = True) -> Tensor:
+    audio = _sub(config, "audio_config", "encoder_config", "speech_config")
+    if hasattr(audio, "num_mel_bins") and not mel_first:  # a conformer: (batch, frames, mel bins)
+        return torch.zeros(BATCH, 32, _int(audio, "num_mel_bins", default=80), device=device, dtype=dtype)
+    if hasattr(audio, "num_mel_bins"):  # Whisper-like: (batch, mel bins, 2 x positions after the strided conv)
+        mel = _int(audio, "num_mel_bins", default=80)
+        positions = _int(audio, "max_source_positions", default=32)
+        return torch.zeros(BATCH, mel, 2 * positions, device=device, dtype=dtype)
+    if hasattr(audio, "input_feat_per_channel"):  # Speech2Text: (batch, frames, features x channels)
+        width = _int(audio, "input_feat_per_channel", default=80) * _int(audio, "input_channels", default=1)
+        return torch.zeros(BATCH, 32, width, device=device, dtype=dtype)
+    width = _int(audio, "feature_projection_input_dim", "feature_size", "input_dim", "num_mel_bins", default=80)
+    return torch.zeros(BATCH, 32, width, device=device, dtype=dtype)
+
+
+def _patches(config: Any, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """A vision tower fed flattened patches and their (t, h, w) grid (Qwen-VL and its descendants)."""
+    vision = _sub(config, "vision_config")
+    merge = _int(vision, "spatial_merge_size", "merge_size", default=2)
+    width = (
+        _int(vision, "in_channels", "num_channels", default=3)
+        * _int(vision, "temporal_patch_size", default=1)
+        * _int(vision, "patch_size", default=14) ** 2
+    )
+    grid = torch.tensor([[1, 2 * merge, 2 * merge]], device=device)
+    return torch.zeros(4 * merge * merge, width, device=device, dtype=dtype), grid
+
+
+def _series(config: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
+    lags = getattr(config, "lags_sequence", None)
+    length = _int(config, "context_length", default=32) + (max(lags) if isinstance(lags, list) and lags else 0)
+    channels = _int(config, "num_input_channels", "input_size", default=1)
+    return torch.zeros(BATCH, length, channels, device=device, dtype=dtype)
+
+
+Builder = Callable[[Any, torch.device, torch.dtype], Any]
+_BUILDERS: dict[str, Builder] = {
+    "input_ids": _ids,
+    "decoder_input_ids": _ids,
+    "qformer_input_ids": _ids,
+    "pixel_values": _pixels,
+    "pixel_values_videos": _video,
+    "input_values": _audio,
+    "input_features": _features,
+    "audio_mel": _features,
+    "past_values": _series,
+}
+
+
+def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) -> Inputs | None:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return None
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    main = getattr(model, "main_input_name", None)
+    main = main[0] if isinstance(main, (list, tuple)) and main else main
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    required = [n for n, p in params.items() if p.default is inspect.Parameter.empty and p.kind in named]
+    kwargs: dict[str, Any] = {}
+    if "hidden_states" in required and "grid_thw" in required:
+        kwargs["hidden_states"], kwargs["grid_thw"] = _patches(config, device, dtype)
+        required = [n for n in required if n not in kwargs]
+    if "pixel_values" in required and ("grid_thw" in required or "image_grid_thw" in required):
+        grid_name = "grid_thw" if "grid_thw" in required else "image_grid_thw"
+        kwargs["pixel_values"], kwargs[grid_name] = _patches(config, device, dtype)
+        required = [n for n in required if n not in kwargs]
+    names = [n for n in dict.fromkeys([*([main] if isinstance(main, str) else []), *required]) if n not in kwargs]
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        names.append("decoder_input_ids")
+    image_tokens = any(hasattr(config, k) for k in ("image_token_id", "image_token_index", "image_token"))
+    towers = hasattr(config, "vision_config") or (hasattr(config, "image_size") and "input_ids" in names)
+    if towers and "pixel_values" in params and not image_tokens:
+        names.append("pixel_values")  # a two-tower model (CLIP-like, ViLT) needs both of its inputs
+    if "pixel_values" in names and "input_ids" in params and hasattr(config, "text_config") and not image_tokens:
+        names.append("input_ids")  # an image model prompted by text (Kosmos-2, SAM 3)
+    for name in names:
+        if name not in params:
+            continue
+        build = _BUILDERS.get(name)
+        if name == "pixel_values" and hasattr(_sub(config, "vision_config"), "num_frames"):
+            build = _video  # a video model whose main input is called pixel_values (VideoMAE, ViViT)
+        if name == "input_features":  # mel bins first where a Conv1d reads them as channels (Whisper)
+            mel = getattr(_sub(config, "audio_config", "encoder_config", "speech_config"), "num_mel_bins", None)
+            first = any(isinstance(m, nn.Conv1d) and m.in_channels == mel for m in model.modules())
+            kwargs[name] = _features(config, device, dtype, mel_first=first)
+        elif build is not None:
+            kwargs[name] = build(config, device, dtype)
+        elif name in ("input_features_mask", "audio_mel_mask", "feature_attention_mask"):
+            source = kwargs.get(name.removesuffix("_mask"), kwargs.get("input_features"))
+            if isinstance(source, Tensor):  # (batch, frames) of ones, frames where the features have them
+                frames = source.shape[-1] if hasattr(_sub(config, "audio_config"), "num_mel_bins") else source.shape[1]
+                kwargs[name] = torch.ones(BATCH, frames, device=device, dtype=torch.long)
+        elif name in ("query_embeds", "inputs_embeds"):
+            width = _int(config, "hidden_size", "d_model", default=64)
+            tokens = _int(config, "num_query_tokens", default=TOKENS) if name == "query_embeds" else TOKENS
+            kwargs[name] = torch.zeros(BATCH, tokens, width, device=device, dtype=dtype)
+        elif name in required:
+            return None  # a required input nobody here knows how to build
+    if kwargs and "use_cache" in params:
+        kwargs["use_cache"] = False  # no cache to build (a hybrid model's cache can refuse a tiny config)
+    if "past_observed_mask" in names and isinstance(kwargs.get("past_values"), Tensor):
+        kwargs["past_observed_mask"] = torch.ones_like(kwargs["past_values"])
+    return ((), kwargs) if kwargs else None
+
+
+def example_inputs(model: nn.Module) -> Inputs | None:
+    """A tiny ``(args, kwargs)`` the model's forward accepts, built from its config or attributes; else ``None``.
+
+    For a transformers model the main input (``main_input_name``) and every required forward argument
+    are built from the config: token ids ``(2, 5)``, pixel values ``(2, C, H, W)``, video
+    ``(2, frames, C, H, W)``, raw audio, audio features, vision-tower patches with their grid, time
+    series; an encoder-decoder also gets ``decoder_input_ids``. A ``torch.nn`` attention, transformer
+    or recurrent module gets a batch of 2 and 3 steps in its own layout (``batch_first`` read). The
+    inputs are zeros (ids count up from 1) on the model's device and floating dtype. ``None``: nothing
+    here knows how to build this model's input; pass one to :func:`packedinit.infer_layouts` instead.
+
+    Args:
+        model: the module.
+
+    Returns:
+        ``(args, kwargs)`` for ``model(*args, **kwargs)``, or ``None``.
 
     Examples:
-        >>> example_inputs(torch.nn.Linear(2, 2)) is None
+        >>> import torch
+        >>> args, kwargs = example_inputs(torch.nn.LSTM(8, 4, batch_first=True))
+        >>> args[0].shape, kwargs
+        (torch.Size([2, 3, 8]), {})
+        >>> example_inputs(torch.nn.Identity()) is None
         True
     """
-    config = getattr(model, "config", None)
-    vocab = getattr(config, "vocab_size", None) if config is not None else None
-    if not isinstance(vocab, int) or vocab < 2 or not hasattr(model, "get_input_embeddings"):
-        return None
-    ids = (torch.arange(8, dtype=torch.long).view(2, 4) * 7 + 1) % vocab
-    kwargs: dict[str, Any] = {"input_ids": ids}
-    if getattr(config, "is_encoder_decoder", False):
-        kwargs["decoder_input_ids"] = ids.clone()
-    return (), kwargs
+    device, dtype = _where(model)
+    found = _torch_nn(model, device, dtype)
+    return found if found is not None else _transformers(model, device, dtype)

@@ -1,0 +1,125 @@
+"""The tracer's forward runs on a twin of the model, never on the model: read-only by construction.
+
+:func:`run_read_only` first builds a *meta twin*: a deep copy of the module tree whose every Parameter,
+buffer and tensor attribute is an empty tensor of the same shape and dtype on the meta device, fed meta
+copies of the example inputs. No value is read or written and no arithmetic is done; dropout, batch norm
+in train mode, in-place operations and hooks act on the twin alone. A forward that needs values (``.item()``,
+``if mask.all():``, ``nonzero``) cannot run on meta: it then runs on a full copy of the model and of its
+inputs. Around both, the CPU and CUDA random states and Python's and NumPy's are saved and put back, so a
+forward that draws from a global generator on its own (``torch.randn(...)`` with no device) leaves them as
+they were too.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Literal, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Twin", "meta_twin", "run_read_only", "random_states_kept"]
+
+T = TypeVar("T")
+Twin = Literal["meta", "copy"]
+
+
+@contextmanager
+def random_states_kept() -> Iterator[None]:
+    """Put the CPU, CUDA (every device), Python and NumPy random states back on exit.
+
+    Examples:
+        >>> import torch
+        >>> before = torch.get_rng_state()
+        >>> with random_states_kept():
+        ...     _ = torch.randn(3)
+        >>> torch.equal(before, torch.get_rng_state())
+        True
+    """
+    cpu = torch.get_rng_state()
+    started = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # torch stub
+    cuda = torch.cuda.get_rng_state_all() if started else None
+    python = random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        random.setstate(python)
+        if numpy is not None and numpy_state is not None:
+            numpy.random.set_state(numpy_state)
+
+
+def _meta(t: Tensor) -> Tensor:
+    out = torch.empty_like(t, device="meta")
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(out, requires_grad=t.requires_grad)
+    return out
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return _meta(value)
+    if isinstance(value, (list, tuple)):
+        items = [_to_meta(v) for v in value]
+        return type(value)(items) if not hasattr(value, "_fields") else type(value)(*items)
+    if isinstance(value, dict):
+        return type(value)((k, _to_meta(v)) for k, v in value.items())
+    return value
+
+
+def meta_twin(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` that shares nothing with it, every tensor on the meta device (no data copied).
+
+    Examples:
+        >>> import torch
+        >>> lin = torch.nn.Linear(4, 3)
+        >>> twin = meta_twin(lin)
+        >>> twin.weight.device.type, twin.weight.shape, twin.weight is lin.weight
+        ('meta', torch.Size([3, 4]), False)
+    """
+    memo: dict[int, Any] = {}
+    for module in model.modules():
+        for value in (*module._parameters.values(), *module._buffers.values(), *vars(module).values()):
+            if isinstance(value, Tensor) and id(value) not in memo:
+                memo[id(value)] = _meta(value)
+    return copy.deepcopy(model, memo)
+
+
+def run_read_only(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    run: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], T],
+) -> tuple[T, Twin]:
+    """``run(twin, twin_args, twin_kwargs)`` on a meta twin of ``model``, else on a full copy; which one is said.
+
+    ``model`` and the inputs are never handed to ``run``: every weight, buffer, flag and hook of the
+    model, and the random states, are as before whatever ``run`` does. The copy's error is raised
+    when both fail.
+
+    Examples:
+        >>> import torch
+        >>> drop = torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.BatchNorm1d(4)).train()
+        >>> before = torch.get_rng_state()
+        >>> shape, how = run_read_only(drop, (torch.ones(2, 4),), {}, lambda m, a, k: m(*a, **k).shape)
+        >>> shape, how, torch.equal(before, torch.get_rng_state()), int(drop[1].num_batches_tracked)
+        (torch.Size([2, 4]), 'meta', True, 0)
+    """
+    with random_states_kept(), torch.no_grad():
+        try:
+            twin = meta_twin(model)
+            return run(twin, _to_meta(args), _to_meta(kwargs)), "meta"
+        except Exception:  # a forward that reads values (.item(), if mask.all()): a full copy instead
+            pass
+    with random_states_kept(), torch.no_grad():
+        copied = copy.deepcopy(model)
+        inputs = copy.deepcopy((args, kwargs))
+        return run(copied, *inputs), "copy"
