@@ -7,8 +7,9 @@ block of ``chunked(xavier_uniform_)(model)`` must have the per-block xavier std 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -114,26 +115,52 @@ def test_chunked_model_is_per_block_from_the_forward(build: Callable[[], tuple[n
     assert _check(model, oracle) >= 2
 
 
-def test_an_opaque_expert_stack_is_named_and_the_printed_line_fixes_it() -> None:
-    # cohere2_moe: the default experts implementation, which the tracer cannot follow; its eager path
-    # (integrations/moe.py) is F.linear(x, gate_up_proj[e]).chunk(2, -1) on (n, 2I, E), down_proj (n, E, I)
+@contextlib.contextmanager
+def _without_adapter(cls: type) -> Iterator[None]:
+    """The built-in adapter of ``cls`` removed for the block (the path a model without one takes)."""
+    key = f"{cls.__module__}.{cls.__qualname__}"
+    adapter = packedinit.unregister(key)
+    assert adapter is not None, key
+    try:
+        yield
+    finally:
+        packedinit.register(key)(adapter)
+
+
+def test_an_expert_stack_is_per_block_from_adapter_or_forward_and_named_without_either() -> None:
+    # cohere2_moe: the default experts implementation (integrations/moe.py: grouped_mm, eager path
+    # F.linear(x, gate_up_proj[e]).chunk(2, -1) on (n, 2I, E), down_proj (n, E, I))
     cfg = transformers.Cohere2MoeConfig(
         **TEXT, intermediate_size=64, num_key_value_heads=2, num_experts=4,
         num_experts_per_tok=2, eos_token_id=1, pad_token_id=0, bos_token_id=2,
     )  # fmt: skip
+    oracle: Oracle = [("experts.gate_up_proj", 1, [64, 64], 1, 1), ("experts.down_proj", 1, [64], 1, 1)]
+    experts = type(transformers.Cohere2MoeForCausalLM(cfg).model.layers[0].mlp.experts)
+    for adapter in (True, False):  # its adapter (adapters/hf_experts.py), then the forward alone
+        model = transformers.Cohere2MoeForCausalLM(cfg)
+        torch.manual_seed(0)
+        with contextlib.ExitStack() as stack:
+            if not adapter:
+                stack.enter_context(_without_adapter(experts))
+            stack.enter_context(warnings.catch_warnings())
+            warnings.simplefilter("error", packedinit.LayoutWarning)
+            packedinit.chunked(init.xavier_uniform_)(model)
+        assert _check(model, oracle) == 24, adapter
     model = transformers.Cohere2MoeForCausalLM(cfg)
+    found.remember(model, None)  # as for a forward packedinit cannot trace (no inputs, or it failed)
     first = r"'model\.layers\.0\.mlp\.experts\.gate_up_proj' \(4, 128, 64\)"
-    with pytest.warns(packedinit.LayoutWarning, match=first) as got:
-        packedinit.chunked(init.xavier_uniform_)(model)
+    with _without_adapter(experts), pytest.warns(packedinit.LayoutWarning, match=first) as got:
+        packedinit.chunked(init.xavier_uniform_)(model)  # no adapter and no trace: named, not silent
     message = str(got[0].message)
     assert "'model.layers.1.mlp.experts.down_proj' (4, 64, 64) (a stack of 4 matrices" in message
     line = message.split("Fix (check the sizes against the forward): ", 1)[1].split("; or trace the forward", 1)[0]
-    exec(line, {"packedinit": packedinit, "model": model})
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", packedinit.LayoutWarning)
-        packedinit.chunked(init.xavier_uniform_)(model)
-    assert _check(model, [("experts.gate_up_proj", 1, [64, 64], 1, 1), ("experts.down_proj", 1, [64], 1, 1)]) == 24
+    with _without_adapter(experts):
+        exec(line, {"packedinit": packedinit, "model": model})
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", packedinit.LayoutWarning)
+            packedinit.chunked(init.xavier_uniform_)(model)
+    assert _check(model, oracle) == 24
 
 
 def test_a_vision_tower_is_named_without_inputs_and_per_block_with_them() -> None:
@@ -145,11 +172,13 @@ def test_a_vision_tower_is_named_without_inputs_and_per_block_with_them() -> Non
     )  # fmt: skip
     model = transformers.Qwen3VLVisionModel(cfg)
     oracle: Oracle = [("attn.qkv.weight", 0, [64, 64, 64], 1, 0)]
-    with pytest.warns(packedinit.LayoutWarning, match=r"'blocks\.1\.attn\.qkv\.weight' \(192, 64\) \(name 'qkv'"):
-        packedinit.chunked(init.xavier_uniform_)(model)  # no pixel input is built here: named, not silent
-    packedinit.annotate(model, torch.randn(16, 24), grid_thw=torch.tensor([[1, 4, 4]]))
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", packedinit.LayoutWarning)
-        packedinit.chunked(init.xavier_uniform_)(model)
+    found.remember(model, None)  # as for a forward packedinit cannot trace (no inputs, or it failed)
+    with _without_adapter(type(model.blocks[0].attn)):
+        with pytest.warns(packedinit.LayoutWarning, match=r"'blocks\.1\.attn\.qkv\.weight' \(192, 64\) \(name 'qkv'"):
+            packedinit.chunked(init.xavier_uniform_)(model)  # no adapter and no trace: named, not silent
+        packedinit.annotate(model, torch.randn(16, 24), grid_thw=torch.tensor([[1, 4, 4]]))  # the forward, traced
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", packedinit.LayoutWarning)
+            packedinit.chunked(init.xavier_uniform_)(model)
     assert _check(model, oracle) == 6

@@ -49,16 +49,9 @@ def test_every_gate_tensor_has_the_layout_its_forward_chunks_by(kind: str, lib: 
         assert story.rows(found[n], out) == [c.tolist() for c in torch.arange(out).chunk(len(gates))], n
 
 
-SUMMED = pytest.mark.xfail(
-    strict=True,
-    reason="the tracer follows one weight per tensor: torchrl's LSTM sums F.linear(x, weight_ih) + "
-    "F.linear(hx, weight_hh) before gates.chunk(4, 1) (rnn.py:483-487, :601-606), so weight_hh is reported "
-    "'not packed' (packedinit/trace/forward.py stops at a sum of two weights' outputs)",
-)
-
-
-@pytest.mark.parametrize("kind", [pytest.param("LSTM", marks=SUMMED), "GRU", pytest.param("LSTMCell", marks=SUMMED),
-                                  "GRUCell"])  # fmt: skip
+# torchrl's LSTM sums F.linear(x, weight_ih) + F.linear(hx, weight_hh) before gates.chunk(4, 1)
+# (rnn.py:483-487, :601-606): the tracer follows both weights through the sum.
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "LSTMCell", "GRUCell"])
 def test_infer_layouts_finds_each_layout(kind: str, lib: Any, story: Any) -> None:
     model = _makers(lib)[kind]()
     found = packedinit.layouts(model)

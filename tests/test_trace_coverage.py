@@ -115,9 +115,11 @@ def test_glu_halves_are_two_blocks() -> None:  # ported from main's forward.py (
     assert infer_layouts(model, X)["0.weight"].layout == Layout(0, [E, E])
 
 
-def test_a_stacked_down_projection_is_per_expert_and_not_packed() -> None:
+def test_a_stacked_down_projection_is_one_block_per_expert() -> None:
     found = infer_layouts(StackedMatmul("bmm"), X)["down_proj"]
-    assert (found.verdict, found.batch_dims) == ("not packed", 1), found
+    assert (found.verdict, found.batch_dims) == ("packed", 1), found
+    assert found.layout is not None
+    assert (found.layout.num_parts, found.layout.batch_dims) == (1, 1), found  # each expert whole, its own fans
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm is in torch >= 2.8")
@@ -184,7 +186,8 @@ def test_transformers_default_experts_are_traced() -> None:
     found = infer_layouts(model, *args, **kwargs)
     gate_up = found["layers.0.mlp.experts.gate_up_proj"]
     assert gate_up.layout == Layout(1, [12, 12], batch_dims=1), gate_up
-    assert found["layers.0.mlp.experts.down_proj"].verdict == "not packed"
+    down = found["layers.0.mlp.experts.down_proj"]  # each expert's matrix whole: one block per expert
+    assert (down.verdict, down.layout) == ("packed", Layout(1, [down.layout.sizes[0]], batch_dims=1)), down
 
 
 def _tiny(config: transformers.PretrainedConfig) -> nn.Module:

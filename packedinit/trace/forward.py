@@ -25,6 +25,7 @@ from typing import Any
 from torch import nn
 
 from packedinit.errors import PackedInitError
+from packedinit.layout import Layout
 from packedinit.trace.compare import layout_of_labels
 from packedinit.trace.rows import blocks_of
 from packedinit.trace.tracer import Tracer
@@ -101,8 +102,11 @@ def _verdict(name: str, tracer: Tracer) -> Inferred:
         )  # fmt: skip
     layout = layout_of_labels(blocks_of(w), w.dim, w.transposed, w.batch_dims)
     stack = f" in each of its {w.batch_dims}-dim stack of matrices" if w.batch_dims else ""
+    if layout is None and w.batch_dims:  # a stack of matrices, each used whole: one block per matrix, its own fans
+        whole = Layout(w.dim + w.batch_dims, [w.rows], transposed=w.transposed, batch_dims=w.batch_dims)
+        return Inferred("packed", whole, f"its output ({w.rows} features) is used whole{stack}", w.batch_dims)
     if layout is None:
-        return Inferred("not packed", None, f"its output ({w.rows} features) is used whole{stack}", w.batch_dims)
+        return Inferred("not packed", None, f"its output ({w.rows} features) is used whole", w.batch_dims)
     groups = f" in each of {layout.groups} groups" if layout.groups > 1 else ""
     why = f"the forward splits its {w.rows} output features into {len(layout.sizes)} parts{groups}{stack}"
     return Inferred("packed", layout, why, w.batch_dims)
