@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
+    "GROUPED_MM_NAMES",
     "RESET_METHOD",
     "orthogonal_without_base",
     "TORCH_WRAPPER_CHILDREN",
@@ -327,3 +328,9 @@ def orthogonal_without_base(p: object) -> bool:
     if type(p).__name__ != "_Orthogonal" or not isinstance(p, nn.Module):
         return False
     return "base" in p._buffers and p._buffers["base"] is None
+
+
+#: The names the tracer sees for a grouped matmul over a stack of experts: torch's private
+#: ``torch._grouped_mm`` (torch >= 2.8; checked on 2.8-2.15), its public ``grouped_mm`` spelling, and
+#: transformers' ``grouped_mm_fallback`` (5.x) where torch has neither.
+GROUPED_MM_NAMES = ("_grouped_mm", "grouped_mm", "grouped_mm_fallback")

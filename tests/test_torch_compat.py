@@ -23,6 +23,8 @@ NOT_TORCH = {
     "_is_hf_initialized": "transformers' flag on a tensor (materialize.hf_flags_cleared)",
     "_init_weights": "a transformers model's own init method (recipes._hf_init)",
     "_initialize_weights": "transformers' PreTrainedModel method that runs _init_weights (construction._INIT_METHODS)",
+    "_fields": "a Python namedtuple's field names (trace/twin copies namedtuple inputs)",
+    "_mask": "the suffix of transformers' input names such as input_features_mask (trace/inputs)",
 }
 
 

@@ -91,8 +91,8 @@ def assert_per_block_xavier(model: nn.Module) -> int:
     lay = layouts(model)
     checked = 0
     for name, p in model.named_parameters():
-        if name not in lay or p.dim() < 2:
-            continue
+        if name not in lay or p.dim() < 2 or lay[name].batch_dims:
+            continue  # stacked experts: transformers' own init draws them with normal_ (no fans), not xavier
         layout = lay[name]
         parts = blocks(p.detach(), layout)
         packed_bound = math.sqrt(6 / (p.shape[0] + p.shape[1]))

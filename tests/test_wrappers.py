@@ -176,7 +176,7 @@ def test_adapters_hf_attribute_in_a_fresh_interpreter() -> None:
     """Before: AttributeError: module 'packedinit.adapters' has no attribute 'hf' (nothing had imported it)."""
     code = (
         "import packedinit\n"
-        "packedinit.register('transformers.models.aria.modeling_aria.AriaExperts')"
+        "packedinit.register('my_project.MyExperts')"
         "(packedinit.adapters.hf.experts_layouts)\n"
         "print('ok')\n"
     )

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from packedinit.torch_compat import GROUPED_MM_NAMES
 from packedinit.trace.rows import WeightRows, compact, pairs_of, rows_of
 
 __all__ = ["Tracer"]
@@ -51,7 +52,7 @@ _ELEMENTWISE = {
     "clamp", "abs", "square", "sqrt", "rsqrt", "dropout", "leaky_relu", "elu", "mish", "hardswish", "erf",
     "__iadd__", "__isub__", "__imul__", "add_", "sub_", "mul_", "masked_fill",
 }  # fmt: skip
-_MATMULS = {"matmul", "__matmul__", "mm", "bmm", "_grouped_mm", "grouped_mm", "grouped_mm_fallback"}
+_MATMULS = {"matmul", "__matmul__", "mm", "bmm", *GROUPED_MM_NAMES}
 _SUMS = {"add", "sub", "__add__", "__radd__", "__sub__", "__rsub__", "__iadd__", "__isub__", "add_", "sub_"}
 _MHA = "multi_head_attention_forward"
 

@@ -22,6 +22,8 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import Tensor, nn
 
+from packedinit.torch_compat import buffer_dict, param_dict
+
 __all__ = ["Twin", "meta_twin", "run_read_only", "random_states_kept"]
 
 T = TypeVar("T")
@@ -87,7 +89,7 @@ def meta_twin(model: nn.Module) -> nn.Module:
     """
     memo: dict[int, Any] = {}
     for module in model.modules():
-        for value in (*module._parameters.values(), *module._buffers.values(), *vars(module).values()):
+        for value in (*param_dict(module).values(), *buffer_dict(module).values(), *vars(module).values()):
             if isinstance(value, Tensor) and id(value) not in memo:
                 memo[id(value)] = _meta(value)
     return copy.deepcopy(model, memo)
