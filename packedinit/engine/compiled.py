@@ -28,6 +28,11 @@ from packedinit.engine.traits import LOW_PRECISION, TORCH_FNS, hashable_in
 
 __all__ = ["compiling", "traced_blocks"]
 
+#: Dynamo traces the per-block calls from torch 2.13 (checked on 2.13 and 2.15); torch 2.6's fails inside the
+#: layout code (a frozenset lookup of a function, hash() of a tuple, an internal error in as_layout), so
+#: there every request takes the eager engine under ``torch.compiler.disable`` (graph breaks, eager numbers).
+_TRACES_BLOCKS = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
 #: The dtypes whose blocks are traced (others take the eager engine, which checks them first).
 _TRACED_DTYPES = (torch.float32, torch.float64, *LOW_PRECISION)
 
@@ -58,6 +63,8 @@ def _views(req: Request) -> list[Tensor] | None:
 
 def traced_blocks(req: Request) -> bool:
     """Fill ``req.tensor`` with one traceable call per block view; ``False`` (nothing written) where it cannot."""
+    if not _TRACES_BLOCKS:
+        return False
     fn = req.init_fn
     tensor = req.tensor
     if not (callable(fn) and hashable_in(fn, TORCH_FNS)) or type(tensor) not in PLAIN_TYPES:
