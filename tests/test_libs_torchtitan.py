@@ -263,3 +263,24 @@ def test_fused_w13_xavier_where_the_issue_measured_0_018(lib: Any) -> None:
     expected = (2.0 / (2048 + DIM)) ** 0.5
     for j in (0, 1):
         assert abs(float(model.get_parameter("w13").detach()[:, j].std()) / expected - 1) < 0.05
+
+
+def test_audit_lists_w13_measured_per_block_with_its_chunked_init_line(lib: Any) -> None:
+    """After torchtitan's own ``_make_fused_gate_up_init`` (fused_swiglu.py:383, per half) the audit measures w13
+    per block through its row-interleaved view, and the line it prints initialises it per block."""
+    model = _fused_swiglu(lib)
+    torch.manual_seed(0)
+    model.init_states()  # torchtitan's own init: xavier on w13[:, 0], then on w13[:, 1]
+    report = packedinit.audit(model)
+    (s,) = report.suspects
+    assert (s.name, s.audit.verdict, s.audit.matches) == ("w13", "per-block", ("xavier",))
+    assert s.annotate.startswith("packedinit.chunked_init(model.get_parameter('w13').view(96, 64)")
+    w13 = model.get_parameter("w13")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        fs = lib("torchtitan.overrides.fused_swiglu")
+        fs._make_fused_gate_up_init(nn.init.xavier_uniform_, nn.init.xavier_uniform_, gate_up_axis=1)(w13)
+    titan = w13.detach().clone()
+    torch.manual_seed(0)
+    exec(s.annotate, {"packedinit": packedinit, "model": model, "init": nn.init.xavier_uniform_})
+    assert torch.equal(model.get_parameter("w13"), titan)  # uniform family: the same numbers as torchtitan's own

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from packedinit.layout import Layout
 
-__all__ = ["by_name", "parts", "layout_repr", "annotate_line", "may_look_packed", "name_guess", "axis_fix"]
+__all__ = ["by_name", "parts", "layout_repr", "annotate_line", "may_look_packed", "name_guess", "axis_fix", "axis_view"]
 
 _QKV = re.compile(r"qkv|c_attn|in_proj|query_key_value")
 _GATE_UP = re.compile(r"gate_up|up_gate|w13|w1_3|fc13")
@@ -170,11 +170,24 @@ def axis_fix(fqn: str, p: Tensor) -> str | None:
         >>> axis_fix("mlp.w13", torch.empty(96, 64)) is None
         True
     """
+    got = axis_view(fqn, p)
+    if got is None:
+        return None
+    view = ", ".join(str(n) for n in got[0])
+    return f"packedinit.chunked_init(model.get_parameter({fqn!r}).view({view}), {layout_repr(got[1])}, None, init)"
+
+
+def axis_view(fqn: str, p: Tensor) -> tuple[tuple[int, ...], Layout] | None:
+    """``(view shape, layout of the view)`` for a weight :func:`axis_fix` describes, else None.
+
+    Examples:
+        >>> import torch
+        >>> axis_view("w13", torch.empty(3, 4, 2, 8))
+        ((3, 8, 8), Layout(dim=1, sizes=(1, 1), groups=4, batch_dims=1, names=('gate', 'up')))
+    """
     found = by_name(fqn.rpartition(".")[2])
     if found is None or p.dim() < 3 or int(p.shape[-2]) != found[0]:
         return None
     k, names = found[0], found[1]
     shape = (*(int(n) for n in p.shape[:-3]), int(p.shape[-3]) * k, int(p.shape[-1]))
-    lay = Layout(p.dim() - 3, [1] * k, groups=int(p.shape[-3]), batch_dims=p.dim() - 3, names=names)
-    view = ", ".join(str(n) for n in shape)
-    return f"packedinit.chunked_init(model.get_parameter({fqn!r}).view({view}), {layout_repr(lay)}, None, init)"
+    return shape, Layout(p.dim() - 3, [1] * k, groups=int(p.shape[-3]), batch_dims=p.dim() - 3, names=names)
