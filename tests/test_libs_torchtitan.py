@@ -5,6 +5,7 @@ torchtitan's own fused init draws (peer parity). Skips, naming torchtitan, where
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from collections.abc import Callable
@@ -284,3 +285,19 @@ def test_audit_lists_w13_measured_per_block_with_its_chunked_init_line(lib: Any)
     torch.manual_seed(0)
     exec(s.annotate, {"packedinit": packedinit, "model": model, "init": nn.init.xavier_uniform_})
     assert torch.equal(model.get_parameter("w13"), titan)  # uniform family: the same numbers as torchtitan's own
+
+
+def test_fix_torch_defaults_keeps_torchtitans_own_per_half_w13_init(lib: Any) -> None:
+    """Under the fix, torchtitan's own init of w13 (``_make_fused_gate_up_init``: xavier on each half) is untouched:
+    bit-identical to the build without the fix, and each half has its own (hidden, dim) fans."""
+    builds = []
+    for fixed in (False, True):
+        torch.manual_seed(5)
+        with packedinit.fix_torch_defaults() if fixed else contextlib.nullcontext():
+            model = _fused_swiglu(lib, hidden=1024)
+            model.init_states()
+        builds.append(model.get_parameter("w13").detach().clone())
+    assert torch.equal(builds[0], builds[1])
+    expected = (2.0 / (1024 + DIM)) ** 0.5
+    for j in (0, 1):
+        assert abs(float(builds[1][:, j].std()) / expected - 1) < 0.05
