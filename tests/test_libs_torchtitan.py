@@ -5,7 +5,9 @@ torchtitan's own fused init draws (peer parity). Skips, naming torchtitan, where
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -190,3 +192,112 @@ def test_audit_and_its_printed_fix_after_a_whole_tensor_init(lib: Any, story: An
 
 def test_chunked_is_per_block(lib: Any, story: Any) -> None:
     story.chunked_is_per_block(_attention(lib, 8, 2, 8, nn.init.zeros_), nn.init.xavier_uniform_)
+
+
+def _fused_swiglu(lib: Any, hidden: int = 48) -> nn.Module:
+    """torchtitan's ``fused_swiglu`` override of its own ``make_ffn_config`` (the path ``--override.imports`` takes)."""
+    cu, fs = lib("torchtitan.models.common.config_utils"), lib("torchtitan.overrides.fused_swiglu")
+    init = {"weight": nn.init.xavier_uniform_}
+    model: nn.Module = fs.fused_swiglu(cu.make_ffn_config(dim=DIM, hidden_dim=hidden, w1_param_init=init,
+                                                          w2w3_param_init=init)).build()  # fmt: skip
+    return model
+
+
+def _fused_experts(lib: Any) -> nn.Module:
+    fs = lib("torchtitan.overrides.fused_swiglu")
+    init = dict.fromkeys(("w1_EFD", "w2_EDF", "w3_EFD"), nn.init.xavier_uniform_)
+    cfg = lib("torchtitan.models.common.moe").GroupedExperts.Config(dim=DIM, hidden_dim=24, num_experts=3,
+                                                                    param_init=init)  # fmt: skip
+    model: nn.Module = fs.fused_grouped_experts(cfg).build()
+    return model
+
+
+IDIOMS: dict[str, Callable[[nn.Module], object]] = {
+    "chunked(f)(model)": lambda m: packedinit.chunked(nn.init.xavier_uniform_)(m),
+    "model.apply(chunked(f))": lambda m: m.apply(packedinit.chunked(nn.init.xavier_uniform_)),
+    "init_model": lambda m: packedinit.init_model(m, nn.init.xavier_uniform_),
+    "reset_parameters": packedinit.reset_parameters,
+}
+
+
+@pytest.mark.parametrize("build", ["FusedSwiGLU", "FusedGroupedExperts"])
+@pytest.mark.parametrize("idiom", list(IDIOMS))
+def test_fused_w13_is_loud_and_its_printed_fix_is_per_block(idiom: str, build: str, lib: Any) -> None:
+    """``w13`` ``(hidden, 2, dim)`` / ``(E, hidden, 2, dim)``: no Layout of that shape describes ``w13[..., j, :]``,
+    so every whole-model idiom warns naming it, and the ``chunked_init`` line it prints (run here as printed)
+    initialises gate and up each with its own fans. Oracle, torchtitan/overrides/fused_swiglu.py:456
+    ``einsum("...d,hgd->...hg", x, w13).unbind(-1)``: gate is ``w13[:, 0]``, up ``w13[:, 1]``; :557-560 (experts)
+    ``w13.reshape(E, 2F, D)`` then ``reshape(-1, F, 2).unbind(-1)``: the same rows, per expert."""
+    model = (_fused_swiglu if build == "FusedSwiGLU" else _fused_experts)(lib)
+    w13 = model.get_parameter("w13")
+    with pytest.warns(packedinit.LayoutWarning, match=r"'w13' .*no Layout of the stored shape.*chunked_init") as rec:
+        IDIOMS[idiom](model)
+    msg = " ".join(str(r.message) for r in rec)
+    lines = re.findall(r"packedinit\.chunked_init\(.*?, None, init\)", msg)
+    assert len(lines) == 1, msg
+    torch.manual_seed(4)
+    exec(lines[0], {"packedinit": packedinit, "model": model, "init": nn.init.xavier_uniform_})  # the printed fix
+    got = w13.detach().clone()
+    torch.manual_seed(4)  # the oracle: each expert's gate then up, drawn as its own (hidden, dim) matrix
+    expected = torch.empty_like(got)
+    for m in expected.view(-1, *got.shape[-3:]):
+        gate, up = torch.empty(got.shape[-3], DIM), torch.empty(got.shape[-3], DIM)
+        nn.init.xavier_uniform_(gate)
+        nn.init.xavier_uniform_(up)
+        m.copy_(torch.stack([gate, up], dim=1))
+    assert torch.equal(got, expected)
+    bound = (6.0 / (got.shape[-3] + DIM)) ** 0.5
+    for j in (0, 1):
+        half = got.select(-2, j)
+        assert float(half.abs().max()) <= bound
+        assert abs(float(half.std()) / (bound / 3**0.5) - 1) < 0.1
+
+
+def test_fused_w13_xavier_where_the_issue_measured_0_018(lib: Any) -> None:
+    """The issue's numbers (hidden 2048, dim 64 -> per block 0.112 where whole gave 0.018), through the printed fix."""
+    model = _fused_swiglu(lib, hidden=2048)
+    with pytest.warns(packedinit.LayoutWarning) as rec:
+        packedinit.chunked(nn.init.xavier_uniform_)(model)
+    assert float(model.get_parameter("w13").detach().std()) < 0.02  # what the warning names: initialised whole
+    line = re.findall(r"packedinit\.chunked_init\(.*?, None, init\)", str(rec[0].message))[0]
+    exec(line, {"packedinit": packedinit, "model": model, "init": nn.init.xavier_uniform_})
+    expected = (2.0 / (2048 + DIM)) ** 0.5
+    for j in (0, 1):
+        assert abs(float(model.get_parameter("w13").detach()[:, j].std()) / expected - 1) < 0.05
+
+
+def test_audit_lists_w13_measured_per_block_with_its_chunked_init_line(lib: Any) -> None:
+    """After torchtitan's own ``_make_fused_gate_up_init`` (fused_swiglu.py:383, per half) the audit measures w13
+    per block through its row-interleaved view, and the line it prints initialises it per block."""
+    model = _fused_swiglu(lib)
+    torch.manual_seed(0)
+    model.init_states()  # torchtitan's own init: xavier on w13[:, 0], then on w13[:, 1]
+    report = packedinit.audit(model)
+    (s,) = report.suspects
+    assert (s.name, s.audit.verdict, s.audit.matches) == ("w13", "per-block", ("xavier",))
+    assert s.annotate.startswith("packedinit.chunked_init(model.get_parameter('w13').view(96, 64)")
+    w13 = model.get_parameter("w13")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        fs = lib("torchtitan.overrides.fused_swiglu")
+        fs._make_fused_gate_up_init(nn.init.xavier_uniform_, nn.init.xavier_uniform_, gate_up_axis=1)(w13)
+    titan = w13.detach().clone()
+    torch.manual_seed(0)
+    exec(s.annotate, {"packedinit": packedinit, "model": model, "init": nn.init.xavier_uniform_})
+    assert torch.equal(model.get_parameter("w13"), titan)  # uniform family: the same numbers as torchtitan's own
+
+
+def test_fix_torch_defaults_keeps_torchtitans_own_per_half_w13_init(lib: Any) -> None:
+    """Under the fix, torchtitan's own init of w13 (``_make_fused_gate_up_init``: xavier on each half) is untouched:
+    bit-identical to the build without the fix, and each half has its own (hidden, dim) fans."""
+    builds = []
+    for fixed in (False, True):
+        torch.manual_seed(5)
+        with packedinit.fix_torch_defaults() if fixed else contextlib.nullcontext():
+            model = _fused_swiglu(lib, hidden=1024)
+            model.init_states()
+        builds.append(model.get_parameter("w13").detach().clone())
+    assert torch.equal(builds[0], builds[1])
+    expected = (2.0 / (1024 + DIM)) ** 0.5
+    for j in (0, 1):
+        assert abs(float(builds[1][:, j].std()) / expected - 1) < 0.05

@@ -8,8 +8,11 @@ for bit what torchtitan's own ``_fused_qkv_param_init`` draws (the same test fil
 Not listed: the ``overrides.fused_swiglu`` modules (``FusedSwiGLU.w13`` of shape
 ``(hidden, 2, dim)``, ``FusedGroupedExperts.w13`` of shape ``(experts, hidden, 2, dim)``).
 Their gate and up matrices are ``w13[:, 0]`` and ``w13[:, 1]``, selections along a dim that is
-not the output-feature dim, which a :class:`~packedinit.Layout` does not express: initialise
-those halves yourself, as torchtitan's ``_make_fused_gate_up_init`` does.
+not the output-feature dim, which a :class:`~packedinit.Layout` of the stored shape does not
+express. Every whole-model idiom warns naming them (:func:`packedinit.model.looks.axis_fix`) and
+prints the per-block line: ``chunked_init`` through the row-interleaved view ``(..., 2 * hidden,
+dim)`` with ``Layout(..., [1, 1], groups=hidden)``, which draws what torchtitan's own
+``_make_fused_gate_up_init`` draws for the uniform family and orthogonal_.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from packedinit.layout import Layout
 from packedinit.model.claims import annotations_of
 from packedinit.model.found import Finding
-from packedinit.model.looks import annotate_line, by_name, parts
+from packedinit.model.looks import annotate_line, axis_fix, axis_view, by_name, parts
 from packedinit.model.registry import lookup
 
 __all__ = ["Guess", "guesses"]
@@ -162,6 +162,13 @@ def guesses(
                     continue
                 k, why = shaped
                 names = None
+            got = axis_view(fqn, p) if found is not None else None
+            line = axis_fix(fqn, p)
+            if got is not None and line is not None:  # blocks w[..., j, :]: measured through the row-interleaved view
+                taken.add(id(p))
+                why += f"; its blocks are w[..., j, :] on dim -2, measured through the view {got[0]}"
+                out.append(Guess(fqn, p.view(got[0]), got[1], why, line))
+                continue
             k, names = parts(k, names, p, dim, transposed)
             size = int(p.shape[dim])
             if size % k or size < k:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from packedinit.errors import LayoutWarning
 from packedinit.layout import Layout
-from packedinit.model.looks import annotate_line, may_look_packed, name_guess
+from packedinit.model.looks import annotate_line, axis_fix, may_look_packed, name_guess
 from packedinit.model.marks import annotations_of
 from packedinit.shapes import fmt_shape
 
@@ -325,12 +325,22 @@ def merge(
             stacklevel=stacklevel,
         )
     if unlaid:
-        named = "; ".join(f"{n!r} {fmt_shape(p.shape)} ({why})" for (n, _, why), (_, p, _, _) in _with(unlaid, entries))
+        paired = _with(unlaid, entries)
+        named = "; ".join(f"{n!r} {fmt_shape(p.shape)} ({why})" for (n, _, why), (_, p, _, _) in paired)
+        views = {n: line for (n, _, _), (_, p, _, _) in paired if (line := axis_fix(n, p)) is not None}
+        rest = [(n, lay) for n, lay, _ in unlaid if n not in views]
+        by_trace = "or trace the forward: packedinit.annotate(model, *example_inputs)"
+        fixes = [f"{annotate_line(rest)}; {by_trace}"] if rest else []
+        if views:
+            fixes.append(
+                f"{', '.join(map(repr, views))} hold their blocks on dim -2 (w[..., 0, :], w[..., 1, :]), which no "
+                f"Layout of the stored shape describes: after the call, re-initialise each per block through its "
+                f"row-interleaved view, with init your init function: {'; '.join(views.values())}"
+            )
         warnings.warn(
             f"{idiom}: {len(unlaid)} weight(s) look packed and no adapter, annotation or trace of the forward gives "
             f"their layout, so each is initialised as one tensor: {named}. Fix (check the sizes against the "
-            f"forward): {annotate_line([(n, lay) for n, lay, _ in unlaid])}; or trace the forward: "
-            f"packedinit.annotate(model, *example_inputs).",
+            f"forward): {'. Also: '.join(fixes)}.",
             LayoutWarning,
             stacklevel=stacklevel,
         )

@@ -12,6 +12,11 @@ see :mod:`packedinit.model.found`) and by the audit's "looks packed" list
   expert word in its name (``experts``, ``proj``, ``linear``, ``gate``, ``up``, ``down``, ``w1``,
   ``fc``) is a stack of matrices (MoE experts): dim 0 indexes independent matrices (a batch dim,
   never split). A name word alone decides the blocks within each matrix.
+- **Blocks on their own axis.** A name-matched weight of 3+ dims whose dim -2 has length k (torchtitan's
+  ``FusedSwiGLU.w13`` ``(hidden, 2, dim)``, ``FusedGroupedExperts.w13`` ``(E, hidden, 2, dim)``): block j is
+  ``w[..., j, :]``, which no Layout of the stored shape describes; :func:`axis_fix` gives the
+  ``chunked_init`` line that initialises it per block through the row-interleaved view
+  ``(..., k * hidden, dim)``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from torch import Tensor, nn
 
 from packedinit.layout import Layout
 
-__all__ = ["by_name", "parts", "layout_repr", "annotate_line", "may_look_packed", "name_guess"]
+__all__ = ["by_name", "parts", "layout_repr", "annotate_line", "may_look_packed", "name_guess", "axis_fix", "axis_view"]
 
 _QKV = re.compile(r"qkv|c_attn|in_proj|query_key_value")
 _GATE_UP = re.compile(r"gate_up|up_gate|w13|w1_3|fc13")
@@ -140,10 +145,49 @@ def name_guess(
     k, names = parts(found[0], found[1], p, dim, transposed) if found is not None else (0, None)
     if found is not None and size % k == 0 and size >= k:
         why = found[2]
-        if batch:
+        if axis_fix(fqn, p) is not None:
+            why += f"; its blocks are w[..., j, :] on dim -2 (length {k})"
+        elif batch:
             why += f"; dim 0 ({int(p.shape[0])}) indexes stacked matrices and is not split"
         return Layout(dim, [size // k] * k, transposed=transposed, batch_dims=batch, names=names), why
     if batch and p.dim() == 3 and int(p.shape[0]) > 1 and _STACK.search(fqn.lower()):
         why = f"a stack of {int(p.shape[0])} matrices {tuple(p.shape[1:])} (dim 0 indexes them)"
         return Layout(dim, [size], batch_dims=batch), why
     return None
+
+
+def axis_fix(fqn: str, p: Tensor) -> str | None:
+    """The ``chunked_init`` line for a weight whose k blocks lie on a length-k dim -2, else None.
+
+    ``w[..., j, :]`` of a ``(..., out, k, in)`` weight is block j; flattened to ``(..., k * out, in)`` the blocks are
+    row-interleaved, a Layout with ``groups=out``. The line initialises the weight per block with ``init``.
+
+    Examples:
+        >>> import torch
+        >>> print(axis_fix("mlp.w13", torch.empty(48, 2, 64)).replace(", packedinit", ",\\n  packedinit"))
+        packedinit.chunked_init(model.get_parameter('mlp.w13').view(96, 64),
+          packedinit.Layout(0, [1, 1], groups=48, names=('gate', 'up')), None, init)
+        >>> axis_fix("mlp.w13", torch.empty(96, 64)) is None
+        True
+    """
+    got = axis_view(fqn, p)
+    if got is None:
+        return None
+    view = ", ".join(str(n) for n in got[0])
+    return f"packedinit.chunked_init(model.get_parameter({fqn!r}).view({view}), {layout_repr(got[1])}, None, init)"
+
+
+def axis_view(fqn: str, p: Tensor) -> tuple[tuple[int, ...], Layout] | None:
+    """``(view shape, layout of the view)`` for a weight :func:`axis_fix` describes, else None.
+
+    Examples:
+        >>> import torch
+        >>> axis_view("w13", torch.empty(3, 4, 2, 8))
+        ((3, 8, 8), Layout(dim=1, sizes=(1, 1), groups=4, batch_dims=1, names=('gate', 'up')))
+    """
+    found = by_name(fqn.rpartition(".")[2])
+    if found is None or p.dim() < 3 or int(p.shape[-2]) != found[0]:
+        return None
+    k, names = found[0], found[1]
+    shape = (*(int(n) for n in p.shape[:-3]), int(p.shape[-3]) * k, int(p.shape[-1]))
+    return shape, Layout(p.dim() - 3, [1] * k, groups=int(p.shape[-3]), batch_dims=p.dim() - 3, names=names)
