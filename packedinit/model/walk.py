@@ -128,7 +128,8 @@ def module_call(
             f"adapters and annotations: use chunked({fn_name(init_fn)})(module) and "
             f"packedinit.annotate(module, name=Layout(...)) for parameters no adapter knows."
         )
-    check_keywords(f"chunked({fn_name(init_fn)})", (), init_fn, kwargs)
+    if kwargs:  # (the label is built only where there is a keyword to check: apply calls this per module)
+        check_keywords(f"chunked({fn_name(init_fn)})", (), init_fn, kwargs)
     if ancestors is not None:
         _init_own(module, ancestors, init_fn, args, kwargs)
     else:

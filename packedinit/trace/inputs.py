@@ -11,6 +11,7 @@ cells) get one as well. Inputs go on the model's device; on the meta device they
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +26,7 @@ BATCH, TOKENS = 2, 5
 
 
 def _where(model: nn.Module) -> tuple[torch.device, torch.dtype]:
-    for t in (*model.parameters(), *model.buffers()):
+    for t in itertools.chain(model.parameters(), model.buffers()):  # lazily: stops at the first (no tree walk)
         if t.is_floating_point():
             return t.device, t.dtype
     first = next(iter(model.parameters()), None)
