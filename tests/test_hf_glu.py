@@ -36,6 +36,26 @@ def _wav2vec2_conformer() -> nn.Module:
     return transformers.Wav2Vec2ConformerModel(cfg)
 
 
+def _wav2vec2_conformer_adapter() -> nn.Module:
+    # wav2vec2_conformer/modeling_wav2vec2_conformer.py:839,849: glu(adapter conv(h), dim=1), and the conv module
+    cfg = transformers.Wav2Vec2ConformerConfig(
+        **SMALL, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+        conformer_conv_kernel_size=3, vocab_size=16, add_adapter=True, num_adapter_layers=1, adapter_kernel_size=3,
+        adapter_stride=2,
+    )  # fmt: skip
+    return transformers.Wav2Vec2ConformerModel(cfg)
+
+
+def _wav2vec2_bert_adapter() -> nn.Module:
+    # wav2vec2_bert/modeling_wav2vec2_bert.py:171,217 (pointwise_conv1), :649-660,687,697 (residual_conv and
+    # self_attn_conv, each followed by GLU(dim=1))
+    cfg = transformers.Wav2Vec2BertConfig(
+        **SMALL, conv_depthwise_kernel_size=3, vocab_size=16, add_adapter=True, num_adapter_layers=1,
+        adapter_kernel_size=3, adapter_stride=2, output_hidden_size=32,
+    )  # fmt: skip
+    return transformers.Wav2Vec2BertModel(cfg)
+
+
 def _speech_to_text() -> nn.Module:
     # speech_to_text/modeling_speech_to_text.py:84-99: glu(conv(h), dim=1) for every conv_layers.i
     cfg = transformers.Speech2TextConfig(
@@ -48,8 +68,14 @@ def _speech_to_text() -> nn.Module:
 
 @pytest.mark.parametrize(
     ("build", "convs"),
-    [(_parakeet, 1), (_wav2vec2_conformer, 1), (_speech_to_text, 2)],
-    ids=["parakeet", "wav2vec2_conformer", "speech_to_text"],
+    [
+        (_parakeet, 1),
+        (_wav2vec2_conformer, 1),
+        (_wav2vec2_conformer_adapter, 2),
+        (_wav2vec2_bert_adapter, 3),
+        (_speech_to_text, 2),
+    ],
+    ids=["parakeet", "wav2vec2_conformer", "wav2vec2_conformer_adapter", "wav2vec2_bert_adapter", "speech_to_text"],
 )
 def test_glu_conv_adapters_agree_with_the_forward(build: Callable[[], nn.Module], convs: int) -> None:
     torch.manual_seed(0)
