@@ -71,6 +71,19 @@ def _along(out: Tensor, axis: int, values: Tensor) -> Tensor:
     return values.view([-1 if i == axis % out.dim() else 1 for i in range(out.dim())]).expand(out.shape)
 
 
+def _meta_index(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an index tensor in ``args``/``kwargs`` is on meta: its values are unknown, so are the rows it picks."""
+    todo: list[Any] = [*args, *kwargs.values()]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, Tensor):
+            if value.is_meta and value.dtype in (torch.int64, torch.int32, torch.bool):
+                return True
+        elif isinstance(value, (tuple, list)):
+            todo.extend(value)
+    return False
+
+
 class Tracer(TorchFunctionMode):
     """Labels projection outputs with their weight rows and records the pieces the forward keeps apart."""
 
@@ -187,6 +200,8 @@ class Tracer(TorchFunctionMode):
                 for half in labels.chunk(2, dim):
                     self._piece(weight, labels, half)
         elif name in _SHAPE_METHODS:
+            if _meta_index(args[1:], kwargs):
+                return  # an index whose values a meta twin does not hold (a token permutation): not followed
             for weight, labels in entries:
                 sub = func(labels, *args[1:], **kwargs)
                 outs = out if isinstance(out, (tuple, list)) else (out,)
