@@ -14,7 +14,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -24,6 +23,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.nn import init
+
+sys.path.insert(0, str(Path(__file__).parent))  # the tests' private helpers (--import-mode=importlib adds none)
+from _ranks import collect
 
 import packedinit
 from packedinit import PackedInitError, chunked_init
@@ -71,37 +73,7 @@ def launch(world: int, tmp: Path, groups: list[str], timeout: float = LAUNCH_TIM
         logs.append(log)
         cmd = [sys.executable, str(WORKER), str(rank), str(world), str(init_file), str(tmp / f"rank{rank}.npz")]
         procs.append(subprocess.Popen([*cmd, ",".join(groups)], stdout=log, stderr=subprocess.STDOUT, env=env))
-    deadline = time.monotonic() + timeout
-    failure = ""
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                failure = f"rank {bad[0]} exited with code {codes[bad[0]]}"
-                break
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() > deadline:
-                failure = f"timed out after {timeout:.0f}s (exit codes {codes})"
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait(timeout=30)
-        for log in logs:
-            log.close()
-    if failure:
-        text = "\n".join(f"--- rank {r}:\n" + (tmp / f"rank{r}.log").read_text()[-4000:] for r in range(world))
-        pytest.fail(f"world size {world}: {failure}\n{text}")
-    results = []
-    for rank in range(world):
-        with np.load(tmp / f"rank{rank}.npz") as z:
-            results.append({k: z[k] for k in z.files})
-    return results
+    return collect(procs, logs, tmp, timeout)
 
 
 WORLD_SIZES = (1, 2, 4)

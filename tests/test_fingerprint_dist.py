@@ -8,14 +8,15 @@ import importlib.util
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import numpy as np
 import pytest
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))  # the tests' private helpers (--import-mode=importlib adds none)
+from _ranks import collect
 
 import packedinit
 from packedinit import Fingerprint
@@ -56,37 +57,7 @@ def launch(world: int, tmp: Path) -> list[dict[str, Any]]:
         )
         for r in range(world)
     ]
-    deadline = time.monotonic() + TIMEOUT_S
-    failure = ""
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                failure = f"rank {bad[0]} exited with code {codes[bad[0]]}"
-                break
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() > deadline:
-                failure = f"timed out after {TIMEOUT_S:.0f}s"
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait(timeout=30)
-        for log in logs:
-            log.close()
-    if failure:
-        text = "\n".join(f"--- rank {r}:\n" + (tmp / f"rank{r}.log").read_text()[-4000:] for r in range(world))
-        pytest.fail(f"world size {world}: {failure}\n{text}")
-    out = []
-    for r in range(world):
-        with np.load(tmp / f"rank{r}.npz") as z:
-            out.append({k: z[k] for k in z.files})
-    return out
+    return collect(procs, logs, tmp, TIMEOUT_S)
 
 
 _RUNS: dict[int, list[dict[str, Any]]] = {}

@@ -15,7 +15,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -27,6 +26,9 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).parent))  # the tests' private helpers (--import-mode=importlib adds none)
+from _ranks import collect
 
 import packedinit
 from packedinit import PackedInitError
@@ -207,34 +209,7 @@ def _launch(world: int, tmp: Path) -> list[dict[str, Any]]:
                          stdout=logs[r], stderr=subprocess.STDOUT, env=env)
         for r in range(world)
     ]
-    deadline, failure = time.monotonic() + TIMEOUT_S, ""
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            if any(c not in (None, 0) for c in codes):
-                failure = f"a rank failed: exit codes {codes}"
-                break
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() > deadline:
-                failure = f"timed out after {TIMEOUT_S:.0f}s"
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=30)
-        for log in logs:
-            log.close()
-    if failure:
-        text = "\n".join(f"--- rank {r}:\n" + (tmp / f"rank{r}.log").read_text()[-3000:] for r in range(world))
-        pytest.fail(f"world size {world}: {failure}\n{text}")
-    out = []
-    for r in range(world):
-        with np.load(tmp / f"rank{r}.npz") as z:
-            out.append({k: z[k] for k in z.files})
-    return out
+    return collect(procs, logs, tmp, TIMEOUT_S)
 
 
 _RUNS: dict[int, list[dict[str, Any]]] = {}
