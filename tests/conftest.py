@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))  # the tests' private helpers (--import-mode=importlib adds none)
+from _tv_ops import define_torchvision_ops
 
 import packedinit
 
@@ -27,7 +31,6 @@ settings.register_profile(
 settings.register_profile("dev", max_examples=200, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-SHIM = Path(__file__).with_name("torchvision_shim.py")
 
 
 #: The transformers release the adapters' class paths were checked against (the sweep's). An older
@@ -62,29 +65,18 @@ def lib() -> Callable[[str], ModuleType]:
     only with --no-deps beside a CPU torch; .ci/libs.txt lists them and .ci/run installs them in their own
     venv), so a test that needs one skips, naming it, where it is not installed.
     """
-    install_shim = _shim().install
-
     def load(name: str) -> ModuleType:
         if importlib.util.find_spec(name.split(".")[0]) is None:
             missing = f"{name.split('.')[0]} is not installed (the library tests' venv: bash .ci/libs)"
             if os.environ.get("PACKEDINIT_REQUIRE_LIBS"):  # .ci/libs: a missing library fails
                 pytest.fail(missing)
             pytest.skip(missing)
-        install_shim()
+        define_torchvision_ops()  # tests/_tv_ops.py: loads tests/torchvision_shim.py once, keeps it alive
         with warnings.catch_warnings():  # the library's own import warnings (torch.jit deprecations) are not ours
             warnings.simplefilter("ignore")
             return importlib.import_module(name)
 
     return load
-
-
-def _shim() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("packedinit_tests_torchvision_shim", SHIM)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class Story:
