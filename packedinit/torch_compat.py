@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "GROUPED_MM_NAMES",
+    "TORCH_VERSION",
     "RESET_METHOD",
     "orthogonal_without_base",
     "TORCH_WRAPPER_CHILDREN",
@@ -334,3 +335,6 @@ def orthogonal_without_base(p: object) -> bool:
 #: ``torch._grouped_mm`` (torch >= 2.8; checked on 2.8-2.15), its public ``grouped_mm`` spelling, and
 #: transformers' ``grouped_mm_fallback`` (5.x) where torch has neither.
 GROUPED_MM_NAMES = ("_grouped_mm", "grouped_mm", "grouped_mm_fallback")
+
+#: torch's (major, minor) version, for the behaviour that differs by version (``2.13.0+cpu`` -> ``(2, 13)``).
+TORCH_VERSION: tuple[int, int] = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]  # two parts

@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.nn.init import kaiming_normal_, normal_, xavier_uniform_
 
 from packedinit import Layout, chunked, chunked_init
+from packedinit.torch_compat import TORCH_VERSION
 
 CALLS: dict[str, Callable[[Tensor], object]] = {
     "chunked_init(w, 3, 0, f)": lambda w: chunked_init(w, 3, 0, xavier_uniform_),
@@ -38,7 +39,7 @@ def _eager(call: Callable[[Tensor], object]) -> Tensor:
 
 #: Dynamo traces the per-block calls in one graph from torch 2.13 (checked on 2.13 and 2.15); torch 2.6's
 #: cannot trace a function looked up in a frozenset or hash() of a tuple (docs/pages/quickstart.md).
-ONE_GRAPH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+ONE_GRAPH = TORCH_VERSION >= (2, 13)
 
 
 def _compiled_matches_eager(name: str, backend: str, fullgraph: bool) -> None:

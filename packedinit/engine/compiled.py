@@ -25,13 +25,14 @@ from packedinit.engine.chunks import as_layout
 from packedinit.engine.lean import PLAIN_TYPES
 from packedinit.engine.plan import Request
 from packedinit.engine.traits import LOW_PRECISION, TORCH_FNS, hashable_in
+from packedinit.torch_compat import TORCH_VERSION
 
 __all__ = ["compiling", "traced_blocks"]
 
 #: Dynamo traces the per-block calls from torch 2.13 (checked on 2.13 and 2.15); torch 2.6's fails inside the
 #: layout code (a frozenset lookup of a function, hash() of a tuple, an internal error in as_layout), so
 #: there every request takes the eager engine under ``torch.compiler.disable`` (graph breaks, eager numbers).
-_TRACES_BLOCKS = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+_TRACES_BLOCKS = TORCH_VERSION >= (2, 13)
 
 #: The dtypes whose blocks are traced (others take the eager engine, which checks them first).
 _TRACED_DTYPES = (torch.float32, torch.float64, *LOW_PRECISION)
