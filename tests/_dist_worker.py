@@ -3,21 +3,17 @@
 Run as a script, once per rank: ``python _dist_worker.py RANK WORLD INIT_FILE OUT_FILE [GROUPS]``.
 It joins a gloo process group (a FileStore under the test's tmp dir: no port to race
 for; gloo itself talks over loopback), runs every case of the requested groups, writes
-all results by value to one ``.npz`` file, and leaves with ``os._exit`` (a clean
-``destroy_process_group`` followed by a normal interpreter exit aborts about once in
-30 runs on torch 2.13). The test file loads this module by path to compute the
+all results by value to one ``.npz`` file, and leaves with ``os._exit`` (tests/_rank_main.py
+says why). The test file loads this module by path to compute the
 single-process reference with the very same recipes on plain tensors.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -457,43 +453,23 @@ def dist_model(world: int, kind: str, way: str) -> Results:
 # -- entry point ----------------------------------------------------------------------------------
 
 
-def main() -> None:
-    import torch.distributed as dist
-
-    rank, world, init_file, out_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+def run_groups(world: int) -> Results:
+    """Every case of the groups named on the command line (``cases,errors,encoder`` by default)."""
     groups = sys.argv[5].split(",") if len(sys.argv) > 5 else ["cases", "errors", "encoder"]
-    torch.set_num_threads(1)
-    code = 1
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=90)
-        )
-        out: Results = {}
-        for group in groups:
-            if group == "cases":
-                out.update({f"cases|{k}": v for k, v in dist_cases(world).items()})
-            elif group == "errors":
-                out.update({f"errors|{k}": v for k, v in dist_errors(world).items()})
-            else:
-                kind, _, way = group.partition(":")
-                res = dist_model(world, kind, way or "by_hand")
-                out.update({f"{group}|{k}": v for k, v in res.items()})
-        dist.barrier()
-        dist.destroy_process_group()
-        tmp = out_file + ".part.npz"
-        with open(tmp, "wb") as f:
-            np.savez(f, **out)  # type: ignore[arg-type]  # numpy's stub wants str keys via **kwds
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out_file)
-        code = 0
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    out: Results = {}
+    for group in groups:
+        if group == "cases":
+            out.update({f"cases|{k}": v for k, v in dist_cases(world).items()})
+        elif group == "errors":
+            out.update({f"errors|{k}": v for k, v in dist_errors(world).items()})
+        else:
+            kind, _, way = group.partition(":")
+            res = dist_model(world, kind, way or "by_hand")
+            out.update({f"{group}|{k}": v for k, v in res.items()})
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    from _rank_main import run_rank  # tests/ is sys.path[0] when this file runs as a script
+
+    run_rank(run_groups)

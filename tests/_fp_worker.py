@@ -9,10 +9,6 @@ The test loads this module by path for the single-process reference built by the
 
 from __future__ import annotations
 
-import os
-import sys
-import traceback
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -160,32 +156,7 @@ def run(world: int) -> dict[str, np.ndarray]:
     return out
 
 
-def main() -> None:
-    import torch.distributed as dist
-
-    rank, world, init_file, out_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    torch.set_num_threads(1)
-    code = 1
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=90)
-        )
-        out = run(world)
-        dist.barrier()
-        tmp = out_file + ".part.npz"
-        with open(tmp, "wb") as f:
-            np.savez(f, **out)  # type: ignore[arg-type]  # numpy's stub wants str keys via **kwds
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out_file)
-        code = 0
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # see tests/_dist_worker.py: a clean exit after destroy_process_group can abort
-
-
 if __name__ == "__main__":
-    main()
+    from _rank_main import run_rank  # tests/ is sys.path[0] when this file runs as a script
+
+    run_rank(run)

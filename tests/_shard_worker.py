@@ -6,17 +6,11 @@ weight ``Shard(0)``) or by columns (``RowwiseParallel``: ``Shard(1)``), or a Meg
 the same weight (a plain Parameter with ``tensor_model_parallel``/``partition_dim``/``partition_stride``,
 world size and rank from the default group), calls a ``torch.nn.init`` function on the local shard
 the way TransformerEngine and Megatron do, with and without ``packedinit.fix_torch_defaults``, and
-writes the gathered weights and what ``packedinit.audit`` says to one ``.npz`` (leaving with
-``os._exit``, as tests/_dist_worker.py does).
+writes the gathered weights and what ``packedinit.audit`` says to one ``.npz`` (tests/_rank_main.py).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-import traceback
-from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -148,42 +142,23 @@ def records() -> dict[str, np.ndarray]:
     return {"records|flags": np.array([found, part, ref() is None, shards.dtensor_of(local) is None])}
 
 
-def main() -> None:
+def run_cases(world: int) -> dict[str, np.ndarray]:
+    """Every (style, way, init function) case on this rank, the audit's records and the packed weight."""
     import torch.distributed as dist
 
-    rank, world, init_file, out_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    torch.set_num_threads(1)
-    code = 1
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=90)
-        )
-        out: dict[str, np.ndarray] = {}
-        cases: list[tuple[str, str, str, str, dict[str, Any]]] = [
-            (style, way, name, fn, kw) for style in STYLES for way in WAYS for name, fn, kw in FNS
-        ]
-        run: Callable[..., dict[str, np.ndarray]] = one_case
-        for style, way, name, fn, kw in cases:
-            for k, v in run(world, rank, style, way, fn, kw).items():
-                out[f"{style}|{way}|{name}|{k}"] = v
-        out.update(records())
-        out.update(packed(world))
-        dist.barrier()
-        dist.destroy_process_group()
-        tmp = out_file + ".part.npz"
-        with open(tmp, "wb") as f:
-            np.savez(f, **out)  # type: ignore[arg-type]  # numpy's stub wants str keys via **kwds
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out_file)
-        code = 0
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    rank = dist.get_rank()
+    out: dict[str, np.ndarray] = {}
+    for style in STYLES:
+        for way in WAYS:
+            for name, fn, kw in FNS:
+                for k, v in one_case(world, rank, style, way, fn, kw).items():
+                    out[f"{style}|{way}|{name}|{k}"] = v
+    out.update(records())
+    out.update(packed(world))
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    from _rank_main import run_rank  # tests/ is sys.path[0] when this file runs as a script
+
+    run_rank(run_cases)
