@@ -11,45 +11,15 @@ cells) get one as well. Inputs go on the model's device; on the meta device they
 from __future__ import annotations
 
 import inspect
-import itertools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from packedinit.trace.config_read import BATCH, TOKENS, Builder, Inputs, image_size, int_of, sub_config, where
+
 __all__ = ["example_inputs"]
-
-Inputs = tuple[tuple[Any, ...], dict[str, Any]]
-BATCH, TOKENS = 2, 5
-
-
-def _where(model: nn.Module) -> tuple[torch.device, torch.dtype]:
-    for t in itertools.chain(model.parameters(), model.buffers()):  # lazily: stops at the first (no tree walk)
-        if t.is_floating_point():
-            return t.device, t.dtype
-    first = next(iter(model.parameters()), None)
-    return (first.device if first is not None else torch.device("cpu")), torch.get_default_dtype()
-
-
-def _int(config: Any, *keys: str, default: int) -> int:
-    for key in keys:
-        value = getattr(config, key, None)
-        if isinstance(value, (list, tuple)) and value and isinstance(value[0], int):
-            value = value[0]
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return default
-
-
-def _sub(config: Any, *names: str) -> Any:
-    for name in names:
-        sub = getattr(config, name, None)
-        if sub is not None and hasattr(sub, "to_dict"):
-            return sub
-    return config
-
 
 # -- torch.nn ---------------------------------------------------------------------------------------
 
@@ -86,42 +56,34 @@ def _torch_nn(model: nn.Module, device: torch.device, dtype: torch.dtype) -> Inp
 
 
 def _ids(config: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
-    vocab = _int(config.get_text_config() if hasattr(config, "get_text_config") else config, "vocab_size", default=100)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = int_of(text, "vocab_size", default=100)
     ids = (torch.arange(BATCH * TOKENS) % max(min(vocab, 200) - 1, 1) + 1).view(BATCH, TOKENS)
     return ids.to(device)
 
 
-def _image_size(vision: Any) -> int:
-    size = getattr(vision, "image_size", None)
-    if isinstance(size, dict):
-        size = size.get("height") or next(iter(size.values()), None)
-    if isinstance(size, (list, tuple)) and size:
-        size = size[0]
-    return size if isinstance(size, int) and size > 0 else 224  # a detector's queries need a real feature map
-
-
 def _pixels(config: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
-    vision = _sub(config, "vision_config", "backbone_config", "encoder_config")
-    channels = _int(vision, "num_channels", "in_channels", "in_chans", "input_channels", default=3)
-    size = _image_size(vision)
+    vision = sub_config(config, "vision_config", "backbone_config", "encoder_config")
+    channels = int_of(vision, "num_channels", "in_channels", "in_chans", "input_channels", default=3)
+    size = image_size(vision)
     return torch.zeros(BATCH, channels, size, size, device=device, dtype=dtype)
 
 
 def _video(config: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
-    vision = _sub(config, "vision_config", "video_config")
-    frames = _int(vision, "num_frames", "frames_per_clip", default=4)
-    tubelet = _int(vision, "tubelet_size", default=1)
+    vision = sub_config(config, "vision_config", "video_config")
+    frames = int_of(vision, "num_frames", "frames_per_clip", default=4)
+    tubelet = int_of(vision, "tubelet_size", default=1)
     frames = max(frames, tubelet) // tubelet * tubelet
-    channels = _int(vision, "num_channels", "in_channels", default=3)
-    size = _image_size(vision)
+    channels = int_of(vision, "num_channels", "in_channels", default=3)
+    size = image_size(vision)
     return torch.zeros(BATCH, frames, channels, size, size, device=device, dtype=dtype)
 
 
 def _audio(config: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
-    audio = _sub(config, "audio_config", "encoder_config")
+    audio = sub_config(config, "audio_config", "encoder_config")
     if hasattr(audio, "num_mel_bins") and hasattr(audio, "max_length"):  # a spectrogram (Audio Spectrogram Transformer)
-        frames = _int(audio, "max_length", default=64)
-        return torch.zeros(BATCH, frames, _int(audio, "num_mel_bins", default=64), device=device, dtype=dtype)
+        frames = int_of(audio, "max_length", default=64)
+        return torch.zeros(BATCH, frames, int_of(audio, "num_mel_bins", default=64), device=device, dtype=dtype)
     codec = any(hasattr(audio, k) for k in ("upsampling_ratios", "downsampling_ratios", "hop_length", "codebook_size"))
     strides = getattr(audio, "conv_stride", None)
     hop = math.prod(strides) if isinstance(strides, (list, tuple)) and strides else 320
@@ -132,28 +94,28 @@ def _audio(config: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
 
 
 def _features(config: Any, device: torch.device, dtype: torch.dtype, mel_first: bool = True) -> Tensor:
-    audio = _sub(config, "audio_config", "encoder_config", "speech_config")
+    audio = sub_config(config, "audio_config", "encoder_config", "speech_config")
     if hasattr(audio, "num_mel_bins") and not mel_first:  # a conformer: (batch, frames, mel bins)
-        return torch.zeros(BATCH, 32, _int(audio, "num_mel_bins", default=80), device=device, dtype=dtype)
+        return torch.zeros(BATCH, 32, int_of(audio, "num_mel_bins", default=80), device=device, dtype=dtype)
     if hasattr(audio, "num_mel_bins"):  # Whisper-like: (batch, mel bins, 2 x positions after the strided conv)
-        mel = _int(audio, "num_mel_bins", default=80)
-        positions = _int(audio, "max_source_positions", default=32)
+        mel = int_of(audio, "num_mel_bins", default=80)
+        positions = int_of(audio, "max_source_positions", default=32)
         return torch.zeros(BATCH, mel, 2 * positions, device=device, dtype=dtype)
     if hasattr(audio, "input_feat_per_channel"):  # Speech2Text: (batch, frames, features x channels)
-        width = _int(audio, "input_feat_per_channel", default=80) * _int(audio, "input_channels", default=1)
+        width = int_of(audio, "input_feat_per_channel", default=80) * int_of(audio, "input_channels", default=1)
         return torch.zeros(BATCH, 32, width, device=device, dtype=dtype)
-    width = _int(audio, "feature_projection_input_dim", "feature_size", "input_dim", "num_mel_bins", default=80)
+    width = int_of(audio, "feature_projection_input_dim", "feature_size", "input_dim", "num_mel_bins", default=80)
     return torch.zeros(BATCH, 32, width, device=device, dtype=dtype)
 
 
 def _patches(config: Any, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """A vision tower fed flattened patches and their (t, h, w) grid (Qwen-VL and its descendants)."""
-    vision = _sub(config, "vision_config")
-    merge = _int(vision, "spatial_merge_size", "merge_size", default=2)
+    vision = sub_config(config, "vision_config")
+    merge = int_of(vision, "spatial_merge_size", "merge_size", default=2)
     width = (
-        _int(vision, "in_channels", "num_channels", default=3)
-        * _int(vision, "temporal_patch_size", default=1)
-        * _int(vision, "patch_size", default=14) ** 2
+        int_of(vision, "in_channels", "num_channels", default=3)
+        * int_of(vision, "temporal_patch_size", default=1)
+        * int_of(vision, "patch_size", default=14) ** 2
     )
     grid = torch.tensor([[1, 2 * merge, 2 * merge]], device=device)
     return torch.zeros(4 * merge * merge, width, device=device, dtype=dtype), grid
@@ -161,12 +123,11 @@ def _patches(config: Any, device: torch.device, dtype: torch.dtype) -> tuple[Ten
 
 def _series(config: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
     lags = getattr(config, "lags_sequence", None)
-    length = _int(config, "context_length", default=32) + (max(lags) if isinstance(lags, list) and lags else 0)
-    channels = _int(config, "num_input_channels", "input_size", default=1)
+    length = int_of(config, "context_length", default=32) + (max(lags) if isinstance(lags, list) and lags else 0)
+    channels = int_of(config, "num_input_channels", "input_size", default=1)
     return torch.zeros(BATCH, length, channels, device=device, dtype=dtype)
 
 
-Builder = Callable[[Any, torch.device, torch.dtype], Any]
 _BUILDERS: dict[str, Builder] = {
     "input_ids": _ids,
     "decoder_input_ids": _ids,
@@ -213,10 +174,10 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
         if name not in params:
             continue
         build = _BUILDERS.get(name)
-        if name == "pixel_values" and hasattr(_sub(config, "vision_config"), "num_frames"):
+        if name == "pixel_values" and hasattr(sub_config(config, "vision_config"), "num_frames"):
             build = _video  # a video model whose main input is called pixel_values (VideoMAE, ViViT)
         if name == "input_features":  # mel bins first where a Conv1d reads them as channels (Whisper)
-            mel = getattr(_sub(config, "audio_config", "encoder_config", "speech_config"), "num_mel_bins", None)
+            mel = getattr(sub_config(config, "audio_config", "encoder_config", "speech_config"), "num_mel_bins", None)
             first = any(isinstance(m, nn.Conv1d) and m.in_channels == mel for m in model.modules())
             kwargs[name] = _features(config, device, dtype, mel_first=first)
         elif build is not None:
@@ -224,11 +185,12 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
         elif name in ("input_features_mask", "audio_mel_mask", "feature_attention_mask"):
             source = kwargs.get(name.removesuffix("_mask"), kwargs.get("input_features"))
             if isinstance(source, Tensor):  # (batch, frames) of ones, frames where the features have them
-                frames = source.shape[-1] if hasattr(_sub(config, "audio_config"), "num_mel_bins") else source.shape[1]
+                mel_last = hasattr(sub_config(config, "audio_config"), "num_mel_bins")
+                frames = source.shape[-1] if mel_last else source.shape[1]
                 kwargs[name] = torch.ones(BATCH, frames, device=device, dtype=torch.long)
         elif name in ("query_embeds", "inputs_embeds"):
-            width = _int(config, "hidden_size", "d_model", default=64)
-            tokens = _int(config, "num_query_tokens", default=TOKENS) if name == "query_embeds" else TOKENS
+            width = int_of(config, "hidden_size", "d_model", default=64)
+            tokens = int_of(config, "num_query_tokens", default=TOKENS) if name == "query_embeds" else TOKENS
             kwargs[name] = torch.zeros(BATCH, tokens, width, device=device, dtype=dtype)
         elif name in required:
             return None  # a required input nobody here knows how to build
@@ -264,6 +226,6 @@ def example_inputs(model: nn.Module) -> Inputs | None:
         >>> example_inputs(torch.nn.Identity()) is None
         True
     """
-    device, dtype = _where(model)
+    device, dtype = where(model)
     found = _torch_nn(model, device, dtype)
     return found if found is not None else _transformers(model, device, dtype)
