@@ -309,6 +309,14 @@ def _encoder(d: int, layers: int, nhead: int) -> Case:
     )
 
 
+_GPT2_HOW: dict[str, str] = {
+    "chunked": "",
+    "apply": ", through model.apply(chunked(f))",
+    "init_model": ", through init_model(model, f)",
+    "traced": ", traced again on every call",
+}
+
+
 def _gpt2(d: int, layers: int, vocab: int, positions: int, idiom: Idiom = "chunked") -> Case:
     heads = max(1, d // 64)
 
@@ -328,10 +336,10 @@ def _gpt2(d: int, layers: int, vocab: int, positions: int, idiom: Idiom = "chunk
 
     per_layer = 3 * d * d + d * d + 2 * 4 * d * d
     return Case(
-        f"model_gpt2_L{layers}_d{d}" + ("_traced" if idiom == "traced" else ""),
+        f"model_gpt2_L{layers}_d{d}" + ("" if idiom == "chunked" else f"_{idiom}"),
         "model",
         f"transformers GPT2LMHeadModel from config: {layers} layers, d={d}, vocab {vocab} (tied lm_head)"
-        + (", traced again on every call" if idiom == "traced" else ""),
+        + _GPT2_HOW[idiom],
         scale=d,
         model=make,
         model_params=layers * per_layer + vocab * d + positions * d,
@@ -382,7 +390,7 @@ def build_cases(smoke: bool = False) -> list[Case]:
             _small(50, 16, 2),
             _encoder(32, 2, 4),
             _gpt2(32, 2, 128, 64),
-            _gpt2(32, 2, 128, 64, "traced"),
+            *(_gpt2(32, 2, 128, 64, idiom) for idiom in (*IDIOMS[1:], "traced")),
             *(_linears(20, 8, idiom) for idiom in (*IDIOMS, "traced")),
         ]
     return [
@@ -404,7 +412,7 @@ def build_cases(smoke: bool = False) -> list[Case]:
         _small(10_000, 64, 2),
         _encoder(768, 12, 12),
         _gpt2(768, 12, 16384, 1024),
-        _gpt2(768, 12, 16384, 1024, "traced"),
+        *(_gpt2(768, 12, 16384, 1024, idiom) for idiom in (*IDIOMS[1:], "traced")),
         *(_linears(n, 64, idiom) for n in (2_000, 10_000) for idiom in IDIOMS),
         _linears(2_000, 64, "traced"),
     ]

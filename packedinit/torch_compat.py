@@ -53,6 +53,7 @@ __all__ = [
     "set_grad_enabled",
     "spectral_norm_vectors",
     "spectral_power_method",
+    "torch_function_off",
     "storage_id",
     "written_args",
 ]
@@ -338,3 +339,11 @@ GROUPED_MM_NAMES = ("_grouped_mm", "grouped_mm", "grouped_mm_fallback")
 
 #: torch's (major, minor) version, for the behaviour that differs by version (``2.13.0+cpu`` -> ``(2, 13)``).
 TORCH_VERSION: tuple[int, int] = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]  # two parts
+
+
+# torch._C.DisableTorchFunction: checked on 2.6.0, 2.13.0, 2.15.0. No public fallback (a mode's own
+# operations otherwise pass through every mode below it on the stack). The tracer's bookkeeping on its
+# CPU labels runs under it, so the modes under the tracer (trace/known) see only the forward's operations.
+def torch_function_off() -> Any:
+    """A context in which no ``__torch_function__`` (mode or subclass) is called: plain torch."""
+    return torch._C.DisableTorchFunction()

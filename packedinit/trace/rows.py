@@ -58,9 +58,12 @@ def blocks_of(w: WeightRows) -> list[int]:
         >>> blocks_of(w)
         [0, 0, 1, 1, 2, 2]
     """
+    if not w.pieces:
+        return [0] * w.rows  # used whole: one block (a merge can only join it with itself)
     member = torch.zeros(len(w.pieces), w.rows, dtype=torch.bool)
     for j, piece in enumerate(w.pieces):
-        member[j, [r for r in piece if r < w.rows]] = True
+        at = torch.tensor(list(piece), dtype=torch.long)
+        member[j, at[at < w.rows]] = True
     ids: dict[object, int] = {}
     if len(w.pieces) < 63:  # each row's pieces as the bits of one number
         codes = (member.long() << torch.arange(len(w.pieces)).view(-1, 1)).sum(0).tolist()
@@ -80,4 +83,5 @@ def blocks_of(w: WeightRows) -> list[int]:
         blocks = sorted({labels[r] for r in rows if r < w.rows})
         for b in blocks[1:]:
             parent[root(b)] = root(blocks[0])
-    return [root(lab) for lab in labels]
+    roots = [root(i) for i in range(len(parent))]
+    return [roots[lab] for lab in labels]

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from packedinit.torch_compat import GROUPED_MM_NAMES
+from packedinit.torch_compat import GROUPED_MM_NAMES, torch_function_off
 from packedinit.trace.rows import WeightRows, compact, pairs_of, rows_of
 
 __all__ = ["Tracer"]
@@ -142,10 +142,13 @@ class Tracer(TorchFunctionMode):
             w.pieces.append(seen)  # a slice of the weight projected on its own is one piece
         self._tag(out, ((ref.name, _along(out, axis, labels)),))
 
-    def _piece(self, weight: str, parent: Tensor, child: Tensor) -> None:
+    def _piece(self, weight: str, parent: Tensor | frozenset[int], child: Tensor) -> frozenset[int]:
+        """Record ``child``'s rows as a piece where they are fewer than ``parent``'s; returns ``parent``'s rows."""
         rows = rows_of(child)
-        if rows and rows != rows_of(parent):
+        whole = rows_of(parent) if isinstance(parent, Tensor) else parent
+        if rows and rows != whole:
             self.weights[weight].pieces.append(rows)
+        return whole
 
     # -- the mode -----------------------------------------------------------------------------
     def __torch_function__(
@@ -154,8 +157,8 @@ class Tracer(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         # a label we cannot carry through this op: that path is simply not followed
-        with contextlib.suppress(RuntimeError, TypeError, ValueError, IndexError):
-            self._follow(func, args, kwargs, out)
+        with contextlib.suppress(RuntimeError, TypeError, ValueError, IndexError), torch_function_off():
+            self._follow(func, args, kwargs, out)  # plain torch: the modes under this one see the forward only
         return out
 
     def _follow(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -197,8 +200,9 @@ class Tracer(TorchFunctionMode):
         elif name == "glu":  # F.glu / nn.GLU: a * sigmoid(b) on the two halves of dim, so two blocks
             dim = args[1] if len(args) > 1 else kwargs.get("dim", -1)
             for weight, labels in entries:
+                halves: Tensor | frozenset[int] = labels
                 for half in labels.chunk(2, dim):
-                    self._piece(weight, labels, half)
+                    halves = self._piece(weight, halves, half)
         elif name in _SHAPE_METHODS:
             if _meta_index(args[1:], kwargs):
                 return  # an index whose values a meta twin does not hold (a token permutation): not followed
@@ -206,10 +210,11 @@ class Tracer(TorchFunctionMode):
                 sub = func(labels, *args[1:], **kwargs)
                 outs = out if isinstance(out, (tuple, list)) else (out,)
                 subs = sub if isinstance(sub, (tuple, list)) else (sub,)
+                whole: Tensor | frozenset[int] = labels  # its rows counted once for all the parts
                 for o, s in zip(outs, subs, strict=False):
                     if isinstance(o, Tensor) and isinstance(s, Tensor):
                         self._tag(o, (*self._label(o), (weight, s)))
-                        self._piece(weight, labels, s)
+                        whole = self._piece(weight, whole, s)
         elif name in _ELEMENTWISE and isinstance(out, Tensor):
             self._elementwise(name, args, entries, out)
 

@@ -3,11 +3,13 @@
 :func:`run_read_only` first builds a *meta twin*: a deep copy of the module tree whose every Parameter,
 buffer and tensor attribute is an empty tensor of the same shape and dtype on the meta device, fed meta
 copies of the example inputs. No value is read or written and no arithmetic is done; dropout, batch norm
-in train mode, in-place operations and hooks act on the twin alone. A forward that needs values (``.item()``,
-``if mask.all():``, ``nonzero``) cannot run on meta: it then runs on a full copy of the model and of its
-inputs. Around both, the CPU and CUDA random states and Python's and NumPy's are saved and put back, so a
-forward that draws from a global generator on its own (``torch.randn(...)`` with no device) leaves them as
-they were too.
+in train mode, in-place operations and hooks act on the twin alone. A value the forward reads from what its
+example inputs alone give (``if (position_ids == 0).all():``) comes from copies of the inputs' values
+(:mod:`packedinit.trace.known`); a forward that needs other values (``.item()`` of a buffer, a
+weight-dependent ``nonzero``) cannot run on meta: it then runs on a full copy of the model and of its inputs.
+Around both, the CPU and CUDA random states and Python's and NumPy's are saved and put back, so a forward
+that draws from a global generator on its own (``torch.randn(...)`` with no device) leaves them as they
+were too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from packedinit.torch_compat import buffer_dict, param_dict
+from packedinit.trace.known import KnownValues
 
 __all__ = ["Twin", "meta_twin", "run_read_only", "random_states_kept"]
 
@@ -77,6 +80,19 @@ def _to_meta(value: Any) -> Any:
     return value
 
 
+def _pair(value: Any, meta: Any, out: list[tuple[Tensor, Tensor]]) -> None:
+    """Each meta input with a CPU copy of the caller's values (never the caller's tensor itself)."""
+    if isinstance(value, Tensor) and isinstance(meta, Tensor):
+        if not value.is_meta:
+            out.append((meta, value.detach().to("cpu", copy=True)))
+    elif isinstance(value, (list, tuple)) and isinstance(meta, (list, tuple)):
+        for v, m in zip(value, meta, strict=False):
+            _pair(v, m, out)
+    elif isinstance(value, dict) and isinstance(meta, dict):
+        for k, v in value.items():
+            _pair(v, meta.get(k), out)
+
+
 def meta_twin(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` that shares nothing with it, every tensor on the meta device (no data copied).
 
@@ -118,7 +134,12 @@ def run_read_only(
     with random_states_kept(), torch.no_grad():
         try:
             twin = meta_twin(model)
-            return run(twin, _to_meta(args), _to_meta(kwargs)), "meta"
+            meta_args, meta_kwargs = _to_meta(args), _to_meta(kwargs)
+            known: list[tuple[Tensor, Tensor]] = []
+            _pair(args, meta_args, known)
+            _pair(kwargs, meta_kwargs, known)
+            with KnownValues(known):  # what comes from the inputs alone can be branched on
+                return run(twin, meta_args, meta_kwargs), "meta"
         except Exception:  # a forward that reads values (.item(), if mask.all()): a full copy instead
             pass
     with random_states_kept(), torch.no_grad():

@@ -1,0 +1,140 @@
+"""Values the meta twin knows: what the forward computes from its example inputs alone, kept beside the meta tensors.
+
+A meta tensor holds no values, so a forward that branches on one (``if (ids == 0).all():``, ``.item()``,
+``.tolist()``) cannot run on the meta twin. Many such branches read only what comes from the example inputs
+(token ids, position ids, a mask built from them) and never a weight. :class:`KnownValues` is a
+``TorchFunctionMode`` that keeps, beside every meta tensor computed from example inputs and factory calls
+(``torch.arange(..., device="meta")``) only, a small CPU tensor with its values, computed by the same
+operation on the known values. When a meta tensor is asked for a value (``__bool__``, ``item``, ``tolist``,
+``nonzero``, ...), the answer comes from its known values; a tensor that depends on a weight or a buffer has
+none, and the call fails as before (the twin's caller then falls back to a full copy). Common operations on
+meta tensors are answered from their shapes (:mod:`packedinit.trace.quick`) instead of torch's slow meta path.
+
+The known values are copies of the inputs and results of factory calls: the model, its weights and buffers,
+and the caller's inputs are never read or written through them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from packedinit.trace.quick import quick_meta
+
+__all__ = ["KnownValues"]
+
+#: factory functions whose result on the meta device is known from their arguments alone
+_FACTORIES = frozenset({"arange", "zeros", "ones", "full", "eye", "linspace", "tensor", "as_tensor", "tril_indices"})
+_MAX_NUMEL = 1 << 16  # keep values of small tensors only (example inputs are a batch of 2, a few tokens)
+_CPU = torch.device("cpu")
+
+
+def _on_cpu(kwargs: dict[str, Any]) -> dict[str, Any]:
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type == "meta":
+        return {**kwargs, "device": _CPU}
+    return kwargs
+
+
+class KnownValues(TorchFunctionMode):
+    """Keeps the values of the meta tensors computed from known ones only, and answers value reads from them.
+
+    Args:
+        known: ``[(meta tensor, its values)]``: the meta example inputs with CPU copies of the caller's values.
+
+    Examples:
+        >>> import torch
+        >>> ids = torch.tensor([[1, 2, 0]])
+        >>> meta = ids.to("meta")
+        >>> with KnownValues([(meta, ids.clone())]):
+        ...     bool((meta == 0).any()), int((meta + 1).sum())
+        (True, 6)
+    """
+
+    def __init__(self, known: list[tuple[Tensor, Tensor]]) -> None:
+        super().__init__()
+        self.values: dict[int, tuple[Tensor, Tensor]] = {id(m): (m, v) for m, v in known if v.numel() <= _MAX_NUMEL}
+
+    def _value(self, t: Tensor) -> Tensor | None:
+        kept = self.values.get(id(t))
+        return kept[1] if kept is not None and kept[0] is t else None
+
+    def _swap(self, value: Any) -> tuple[Any, bool]:
+        """``value`` with every meta tensor replaced by its known values; False: some meta tensor has none."""
+        if isinstance(value, Tensor):
+            if not value.is_meta:
+                return value, True
+            known = self._value(value)
+            return (known, True) if known is not None else (value, False)
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            items = [self._swap(v) for v in value]
+            return type(value)(v for v, _ in items), all(ok for _, ok in items)
+        return value, True
+
+    def _on_values(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool]:
+        """``func`` run on the known values; False where some meta argument has none or it cannot run."""
+        metas = False
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, Tensor) and a.is_meta:
+                if id(a) not in self.values:
+                    return None, False  # the common case: a meta tensor of unknown values (from a weight)
+                metas = True
+        if not metas and not (getattr(func, "__name__", "") in _FACTORIES and kwargs.get("device") is not None):
+            return None, False
+        swapped, ok = self._swap(args)
+        if not ok:
+            return None, False
+        by_name: dict[str, Any] = {}
+        for k, v in _on_cpu(kwargs).items():
+            v, ok = self._swap(v)
+            if not ok:
+                return None, False
+            by_name[k] = v
+        try:
+            return func(*swapped, **by_name), True
+        except Exception:  # the values cannot say it either (devices mixed, an op only meta has): unknown
+            return None, False
+
+    def _keep(self, out: Any, value: Any) -> None:
+        if isinstance(out, Tensor) and isinstance(value, Tensor):
+            if out.is_meta and value.device == _CPU and value.shape == out.shape and value.numel() <= _MAX_NUMEL:
+                self.values[id(out)] = (out, value)
+        elif isinstance(out, (list, tuple)) and isinstance(value, (list, tuple)) and len(out) == len(value):
+            for o, v in zip(out, value, strict=True):
+                self._keep(o, v)
+
+    @staticmethod
+    def _mirror(value: Any) -> Any:
+        """A value computed on known values as the forward expects it: tensors on meta, the rest as is."""
+        if isinstance(value, Tensor):
+            return torch.empty_like(value, device="meta")
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(KnownValues._mirror(v) for v in value)
+        return value
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        try:
+            out = quick_meta(func, args, kwargs)
+            if out is None:
+                out = func(*args, **kwargs)
+        except Exception:  # a value a meta tensor does not hold (.item(), bool(), nonzero): from the known values
+            value, ok = self._on_values(func, args, kwargs)
+            if not ok:
+                raise
+            out = self._mirror(value)
+            self._keep(out, value)
+            return out
+        if self.values or getattr(func, "__name__", "") in _FACTORIES:
+            value, ok = self._on_values(func, args, kwargs)
+            if ok:
+                self._keep(out, value)
+            elif isinstance(out, Tensor) and id(out) in self.values:
+                del self.values[id(out)]  # written in place from something unknown: its values are no longer known
+        return out
