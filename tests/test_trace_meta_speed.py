@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn import functional
 
 import packedinit
 from packedinit.trace.quick import quick_meta
@@ -76,13 +76,13 @@ CASES = [
     (torch.sub, (_meta(2, E), _meta(2, E)), {"alpha": 2}),
     (torch.pow, (_meta(4, E), 3.0), {}),
     (torch.tanh, (_meta(4, E),), {}),
-    (F.gelu, (_meta(4, E),), {"approximate": "tanh"}),
-    (F.layer_norm, (_meta(2, 3, E), (E,), _meta(E), _meta(E), 1e-5), {}),
-    (F.layer_norm, (_meta(2, 3, E), (3, E)), {}),
+    (functional.gelu, (_meta(4, E),), {"approximate": "tanh"}),
+    (functional.layer_norm, (_meta(2, 3, E), (E,), _meta(E), _meta(E), 1e-5), {}),
+    (functional.layer_norm, (_meta(2, 3, E), (3, E)), {}),
     (torch.addmm, (_meta(3 * E), _meta(5, E), _meta(E, 3 * E)), {}),
-    (F.linear, (_meta(2, 5, E), _meta(3 * E, E), _meta(3 * E)), {}),
-    (F.scaled_dot_product_attention, (_meta(2, 4, 5, E), _meta(2, 4, 7, E), _meta(2, 4, 7, 3)), {}),
-    (F.scaled_dot_product_attention, (_meta(2, 5, 4, E).transpose(1, 2),) * 3, {"is_causal": True}),
+    (functional.linear, (_meta(2, 5, E), _meta(3 * E, E), _meta(3 * E)), {}),
+    (functional.scaled_dot_product_attention, (_meta(2, 4, 5, E), _meta(2, 4, 7, E), _meta(2, 4, 7, 3)), {}),
+    (functional.scaled_dot_product_attention, (_meta(2, 5, 4, E).transpose(1, 2),) * 3, {"is_causal": True}),
 ]
 
 
@@ -101,7 +101,7 @@ def test_a_quick_meta_answer_is_torchs_meta_result(func: Any, args: tuple[Any, .
         (torch.add, (_meta(2, 3), _meta(4))),  # does not broadcast: torch says so
         (torch.add, (_meta(3, 2).t(), _meta(2, 3))),  # not contiguous: torch keeps its strides
         (torch.addmm, (_meta(4), _meta(5, 3), _meta(4, 4))),
-        (F.layer_norm, (_meta(2, 3), (4,))),
+        (functional.layer_norm, (_meta(2, 3), (4,))),
         (torch.add, (torch.ones(2), torch.ones(2))),  # not meta
     ],
 )
