@@ -33,10 +33,18 @@ __all__ = ["by_name", "parts", "layout_repr", "annotate_line", "may_look_packed"
 _QKV = re.compile(r"qkv|c_attn|in_proj|query_key_value")
 _GATE_UP = re.compile(r"gate_up|up_gate|w13|w1_3|fc13")
 _KV = re.compile(r"(^|_)w?kv($|_)|kv_proj|to_kv")
-#: any of the words above, anywhere in a qualified name: the cheap first test
-_ANY = re.compile(r"qkv|c_attn|in_proj|query_key_value|gate_up|up_gate|w13|w1_3|fc13|kv", re.IGNORECASE)
 #: words in the name of an expert stack's weight (or of its modules)
 _STACK = re.compile(r"expert|moe|proj|linear|gate|(^|[._])(up|down|w[123]|fc[12]?)($|[._])")
+
+
+def _any_word(fqn: str) -> bool:
+    """Any of the words above, anywhere in a qualified name, in any case: the cheap first test, run on every
+    parameter, as plain substring tests ("kv" covers "qkv"), about three times faster than one regex search."""
+    low = fqn.lower()
+    return (
+        "kv" in low or "c_attn" in low or "in_proj" in low or "query_key_value" in low or "gate_up" in low
+        or "up_gate" in low or "w13" in low or "w1_3" in low or "fc13" in low
+    )  # fmt: skip
 
 
 def by_name(word: str) -> tuple[int, tuple[str, ...] | None, str] | None:
@@ -114,7 +122,7 @@ def may_look_packed(fqn: str, p: Tensor) -> bool:
         (False, True)
     """
     ndim = p.dim()
-    return ndim >= 3 or (ndim == 2 and _ANY.search(fqn) is not None)
+    return ndim >= 3 or (ndim == 2 and _any_word(fqn))
 
 
 def name_guess(
@@ -131,7 +139,7 @@ def name_guess(
         Layout(dim=1, sizes=(4,), batch_dims=1)
     """
     ndim = p.dim()
-    if ndim < 2 or (ndim == 2 and _ANY.search(fqn) is None) or "parametrizations." in fqn:
+    if ndim < 2 or (ndim == 2 and not _any_word(fqn)) or "parametrizations." in fqn:
         return None  # (an original of a parametrization: its parametrized weight is what is packed)
     module = module_of()
     leaf = fqn.rpartition(".")[2]

@@ -64,13 +64,12 @@ def blocks_of(w: WeightRows) -> list[int]:
     for j, piece in enumerate(w.pieces):
         at = torch.tensor(list(piece), dtype=torch.long)
         member[j, at[at < w.rows]] = True
-    ids: dict[object, int] = {}
     if len(w.pieces) < 63:  # each row's pieces as the bits of one number
-        codes = (member.long() << torch.arange(len(w.pieces)).view(-1, 1)).sum(0).tolist()
-        labels = [ids.setdefault(c, len(ids)) for c in codes]
-    else:
-        labels = [ids.setdefault(s, len(ids)) for s in zip(*member.tolist(), strict=True)]
-    parent = list(range(len(ids) or 1))
+        codes = (member.long() << torch.arange(len(w.pieces)).view(-1, 1)).sum(0)
+    else:  # each row's pieces as one column of the membership matrix
+        codes = torch.unique(member, dim=1, return_inverse=True)[1]
+    labels = _first_seen(codes)
+    parent = list(range(max(labels, default=0) + 1))
 
     def root(i: int) -> int:
         while parent[i] != i:
@@ -83,5 +82,17 @@ def blocks_of(w: WeightRows) -> list[int]:
         blocks = sorted({labels[r] for r in rows if r < w.rows})
         for b in blocks[1:]:
             parent[root(b)] = root(blocks[0])
-    roots = [root(i) for i in range(len(parent))]
-    return [roots[lab] for lab in labels]
+    if len(parent) == 1 or not w.merges:
+        return labels
+    roots = torch.tensor([root(i) for i in range(len(parent))])
+    return roots[torch.tensor(labels)].tolist()  # type: ignore[no-any-return]  # a list of ints
+
+
+def _first_seen(codes: Tensor) -> list[int]:
+    """Each code's number in order of first appearance (``[7, 7, 3, 7, 5] -> [0, 0, 1, 0, 2]``), vectorised."""
+    values, inverse = torch.unique(codes, return_inverse=True)
+    n = codes.numel()
+    first = torch.full((values.numel(),), n, dtype=torch.long).scatter_reduce_(0, inverse, torch.arange(n), "amin")
+    rank = torch.empty_like(first)
+    rank[first.argsort()] = torch.arange(values.numel())
+    return rank[inverse].tolist()  # type: ignore[no-any-return]  # a list of ints
