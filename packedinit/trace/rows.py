@@ -85,7 +85,8 @@ def blocks_of(w: WeightRows) -> list[int]:
     if len(parent) == 1 or not w.merges:
         return labels
     roots = torch.tensor([root(i) for i in range(len(parent))])
-    return roots[torch.tensor(labels)].tolist()  # type: ignore[no-any-return]  # a list of ints
+    out: list[int] = roots[torch.tensor(labels)].tolist()
+    return out
 
 
 def _first_seen(codes: Tensor) -> list[int]:
@@ -95,4 +96,5 @@ def _first_seen(codes: Tensor) -> list[int]:
     first = torch.full((values.numel(),), n, dtype=torch.long).scatter_reduce_(0, inverse, torch.arange(n), "amin")
     rank = torch.empty_like(first)
     rank[first.argsort()] = torch.arange(values.numel())
-    return rank[inverse].tolist()  # type: ignore[no-any-return]  # a list of ints
+    out: list[int] = rank[inverse].tolist()
+    return out
