@@ -107,3 +107,40 @@ def test_a_quick_meta_answer_is_torchs_meta_result(func: Any, args: tuple[Any, .
 )
 def test_what_is_not_plain_is_left_to_torch(func: Any, args: tuple[Any, ...]) -> None:
     assert quick_meta(func, args, {}) is None
+
+
+class Overwritten(Branchy):
+    """Writes a weight-dependent value into known ids by index assignment, then branches: a copy."""
+
+    def forward(self, ids: Tensor) -> Tensor:
+        ids = ids.clone()
+        ids[:, 0] = self.emb.weight[0, :2].long()
+        if (ids == 0).all():
+            return self.qkv.weight.sum()
+        return super().forward(ids.clamp(0, 15))
+
+
+class Huge(Branchy):
+    """Makes a huge tensor from its input's shape on the meta twin: its values are not computed."""
+
+    def forward(self, ids: Tensor) -> Tensor:
+        big = torch.ones(1 << 15, 1 << 15, device=ids.device)  # 4 GiB of float32 if it were made
+        return super().forward(ids) + big[0, 0]
+
+
+def test_an_index_assignment_from_a_weight_makes_known_values_unknown() -> None:
+    ids = torch.tensor([[1, 2, 3], [4, 5, 0]])
+    assert run_read_only(Overwritten(), (ids,), {}, _device) == ("cpu", "copy")
+
+
+def test_a_huge_tensor_made_on_the_meta_twin_gets_no_values() -> None:
+    from packedinit.trace.known import KnownValues
+
+    ids = torch.tensor([[1, 2, 3]])
+    meta = ids.to("meta")
+    mode = KnownValues([(meta, ids.clone())])
+    with mode:
+        big = torch.ones(1 << 15, 1 << 15, device="meta")
+        small = torch.arange(4, device="meta")
+    assert id(big) not in mode.values
+    assert torch.equal(mode.values[id(small)][1], torch.arange(4))

@@ -40,6 +40,22 @@ def _on_cpu(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+def _in_place(name: str) -> bool:
+    """Whether an operation of this name writes its first argument (``add_``, ``__setitem__``, ``__iadd__``)."""
+    if name.startswith("__"):
+        return name == "__setitem__" or (name.startswith("__i") and name not in ("__index__", "__int__", "__invert__"))
+    return name.endswith("_")
+
+
+def _small(out: Any) -> bool:
+    """Whether the meta result ``out`` is small enough to compute its values (a huge factory call is not)."""
+    if isinstance(out, Tensor):
+        return out.numel() <= _MAX_NUMEL
+    if isinstance(out, (list, tuple)):
+        return all(_small(o) for o in out)
+    return True
+
+
 class KnownValues(TorchFunctionMode):
     """Keeps the values of the meta tensors computed from known ones only, and answers value reads from them.
 
@@ -132,9 +148,12 @@ class KnownValues(TorchFunctionMode):
             self._keep(out, value)
             return out
         if self.values or getattr(func, "__name__", "") in _FACTORIES:
-            value, ok = self._on_values(func, args, kwargs)
+            value, ok = self._on_values(func, args, kwargs) if _small(out) else (None, False)
             if ok:
                 self._keep(out, value)
-            elif isinstance(out, Tensor) and id(out) in self.values:
-                del self.values[id(out)]  # written in place from something unknown: its values are no longer known
+            else:  # written in place from something unknown (add_, x[i] = w, out=): its values are unknown now
+                written = args[0] if args and _in_place(getattr(func, "__name__", "")) else None
+                for t in (out, written, kwargs.get("out")):
+                    if isinstance(t, Tensor) and id(t) in self.values:
+                        del self.values[id(t)]
         return out
