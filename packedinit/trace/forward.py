@@ -100,7 +100,8 @@ def _verdict(name: str, tracer: Tracer) -> Inferred:
             "the forward used it in none of F.linear, matmul, addmm, conv1d/conv2d, embedding "
             "(einsum, a fused kernel, or not at all on this input)",
         )  # fmt: skip
-    layout = layout_of_labels(blocks_of(w), w.dim, w.transposed, w.batch_dims)
+    # no piece: every row in one block, no layout (what layout_of_labels says of one label, without the labels)
+    layout = layout_of_labels(blocks_of(w), w.dim, w.transposed, w.batch_dims) if w.pieces else None
     stack = f" in each of its {w.batch_dims}-dim stack of matrices" if w.batch_dims else ""
     if layout is None and w.batch_dims:  # a stack of matrices, each used whole: one block per matrix, its own fans
         whole = Layout(w.dim + w.batch_dims, [w.rows], transposed=w.transposed, batch_dims=w.batch_dims)

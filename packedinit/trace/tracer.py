@@ -46,6 +46,10 @@ _SHAPE_METHODS = {
 _SAME = {"contiguous", "clone", "detach", "to", "float", "half", "bfloat16", "double", "type_as", "type", "cpu"}
 _SAME |= {"requires_grad_", "__get__"}
 _REF_VIEWS = _SHAPE_METHODS - {"expand", "expand_as", "view_as", "reshape_as"}
+#: shape methods whose result holds every element of their input (reordered, reshaped or repeated): the same rows,
+#: so never a piece (no need to count them)
+_KEEP_EVERY_ROW = _SHAPE_METHODS - {"__getitem__", "split", "chunk", "unbind", "narrow", "select", "split_with_sizes",
+                                    "tensor_split"}  # fmt: skip
 _ELEMENTWISE = {
     "add", "sub", "mul", "div", "neg", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
     "__truediv__", "__neg__", "relu", "gelu", "silu", "sigmoid", "tanh", "exp", "softplus", "pow", "__pow__",
@@ -214,7 +218,8 @@ class Tracer(TorchFunctionMode):
                 for o, s in zip(outs, subs, strict=False):
                     if isinstance(o, Tensor) and isinstance(s, Tensor):
                         self._tag(o, (*self._label(o), (weight, s)))
-                        whole = self._piece(weight, whole, s)
+                        if name not in _KEEP_EVERY_ROW:
+                            whole = self._piece(weight, whole, s)
         elif name in _ELEMENTWISE and isinstance(out, Tensor):
             self._elementwise(name, args, entries, out)
 
