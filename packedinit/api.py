@@ -299,6 +299,11 @@ def chunked(
 
     @functools.wraps(init_fn)
     def wrapper(target: Any, /, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(target, nn.Module):  # first: model.apply(chunked(f)) comes here once per submodule
+            # `model.apply(chunked(f))` calls us once per submodule: then each call owns only
+            # the module's own parameters (see walk.apply_ancestors); a direct call owns the whole tree.
+            module_call(target, init_fn, chunks, dim, args, kwargs, ancestors=apply_ancestors(target))
+            return None
         if unset and isinstance(target, nn.Parameter):
             layout, holder = param_claim(target)  # annotated by packedinit.annotate: per block
             if layout is not None and _stacked_bias_left(target, layout, init_fn):
@@ -312,11 +317,6 @@ def chunked(
         if lean:  # the lean path: init_fn on the tensor as it is
             lean_call(target, init_fn, args, kwargs)
             return target
-        if isinstance(target, nn.Module):
-            # `model.apply(chunked(f))` calls us once per submodule: then each call owns only
-            # the module's own parameters (see walk.apply_ancestors); a direct call owns the whole tree.
-            module_call(target, init_fn, chunks, dim, args, kwargs, ancestors=apply_ancestors(target))
-            return None
         if not unset:
             _refuse_held(target, init_fn)
             _refuse_contradiction(target, chunks, dim, init_fn)
