@@ -68,6 +68,15 @@ def _per_stage(config: Any, stages: int) -> bool:
     return True
 
 
+def _first_stage_width(config: Any, width: object) -> bool:
+    """``width`` is the first of the config's per-stage widths (``embed_dim_per_stage``, ``hidden_sizes``)."""
+    return any(
+        isinstance(v, (list, tuple)) and v and v[0] == width and ("per_stage" in k or k == "hidden_sizes")
+        for k, v in vars(config).items()
+        if "dim" in k or "size" in k
+    )
+
+
 def shrink(config: Any, depth: int = 0) -> Any:
     """Shrink a config in place (and its sub-configs): the sizes above where the config has them."""
     from transformers import PretrainedConfig
@@ -77,6 +86,8 @@ def shrink(config: Any, depth: int = 0) -> Any:
         old = getattr(config, key, None)
         if value == 1 and isinstance(old, int) and _per_stage(config, old):
             continue  # a stage count (ConvNeXt: num_hidden_layers is num_stages): its stages are made shallow instead
+        if key == "hidden_size" and _first_stage_width(config, old):
+            continue  # the first stage's width (SAM 2's Hiera): kept, as the stage widths are
         if isinstance(old, int) and not isinstance(old, bool) and old > value:
             with contextlib.suppress(AttributeError, TypeError, ValueError):
                 setattr(config, key, value)
@@ -156,6 +167,16 @@ def shrink(config: Any, depth: int = 0) -> Any:
         for value in list(vars(config).values()):
             if isinstance(value, PretrainedConfig):
                 shrink(value, depth + 1)
+    layers = getattr(config, "num_hidden_layers", None)
+    names, indices = getattr(config, "stage_names", None), getattr(config, "out_indices", None)
+    if isinstance(layers, int) and isinstance(names, list) and len(names) > layers + 1 and indices:
+        with contextlib.suppress(AttributeError, TypeError, ValueError):  # a backbone's outputs: of the layers kept
+            config.stage_names = names[: layers + 1]
+            config.out_indices = sorted({min(i, layers) for i in indices}) if not _per_stage(config, layers) else indices
+    hooks = getattr(config, "intermediate_hook_ids", None)  # DepthPro: the layers its fusion reads, of those kept
+    if isinstance(hooks, (list, tuple)) and hooks:
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            config.intermediate_hook_ids = [0] * len(hooks)
     vision_width = getattr(getattr(config, "vision_config", None), "hidden_size", None)
     for value in list(vars(config).values()):  # a Q-Former reads the vision tower's width (BLIP-2): the shrunk one
         if isinstance(value, PretrainedConfig) and isinstance(getattr(value, "encoder_hidden_size", None), int):

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from packedinit.trace.config_read import BATCH, TOKENS, Builder, Inputs, int_of, sub_config, where
-from packedinit.trace.inputs_vision import image_hw, is_video, pixels, prompt_images, vision_inputs
+from packedinit.trace.inputs_vision import image_hw, is_video, patch_images, pixels, prompt_images, vision_inputs
 
 __all__ = ["example_inputs"]
 
@@ -154,6 +154,7 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
     if "pixel_values" in required and ("grid_thw" in required or "image_grid_thw" in required):
         grid_name = "grid_thw" if "grid_thw" in required else "image_grid_thw"
         kwargs["pixel_values"], kwargs[grid_name] = _patches(config, device, dtype)
+        kwargs["pixel_values"] = patch_images(model, config, kwargs["pixel_values"])
         required = [n for n in required if n not in kwargs]
     kwargs.update((k, v) for k, v in vision_inputs(model, config, params, device, dtype).items() if k not in kwargs)
     names = [n for n in dict.fromkeys([*([main] if isinstance(main, str) else []), *required]) if n not in kwargs]

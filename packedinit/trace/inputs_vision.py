@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from packedinit.trace.config_read import BATCH, TOKENS, image_size, int_of, sub_config
 
-__all__ = ["image_hw", "is_video", "pixels", "prompt_images", "vision_inputs"]
+__all__ = ["image_hw", "is_video", "patch_images", "pixels", "prompt_images", "vision_inputs"]
 
 _VISION = ("vision_config", "backbone_config", "encoder_config", "image_model_config")
 
@@ -45,6 +45,8 @@ def image_hw(vision: Any) -> tuple[int, int]:
 def pixels(config: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
     """An image batch ``(2, C, H, W)`` of the size the config describes."""
     vision = sub_config(config, *_VISION)
+    if not hasattr(vision, "image_size"):  # a tower around a backbone (SAM 2): the backbone's size
+        vision = sub_config(vision, "backbone_config")
     channels = int_of(vision, "num_channels", "in_channels", "in_chans", "input_channels", default=3)
     h, w = image_hw(vision)
     ratios = getattr(config, "scaled_images_ratios", None)
@@ -60,6 +62,20 @@ def is_video(config: Any) -> bool:
         return True
     image_token = any(hasattr(config, k) for k in ("image_token_index", "image_token_id"))
     return not image_token and any(hasattr(config, k) for k in ("video_token_index", "video_token_id"))
+
+
+def patch_images(model: nn.Module, config: Any, patches: Tensor) -> Tensor:
+    """Flattened patches ``(N, C * p * p)`` as ``(N, C, p, p)`` where a 2-D convolution embeds each (Kimi-K2.5).
+
+    Kept flat where the model embeds them flat (a ``Linear`` of that width) or as clips (a ``Conv3d``).
+    """
+    vision = sub_config(config, "vision_config")
+    p, channels = int_of(vision, "patch_size", default=14), int_of(vision, "num_channels", "in_channels", default=3)
+    width = patches.shape[-1]
+    kinds = list(model.modules())
+    flat = any(isinstance(m, nn.Conv3d) or (isinstance(m, nn.Linear) and m.in_features == width) for m in kinds)
+    conv = any(isinstance(m, nn.Conv2d) and m.kernel_size == (p, p) and m.in_channels * p * p == width for m in kinds)
+    return patches.view(-1, width // (p * p), p, p) if conv and not flat and width == channels * p * p else patches
 
 
 def _grid(side: int, device: torch.device) -> Tensor:
