@@ -161,8 +161,7 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
         names.append("decoder_input_ids")
     image_tokens = any(hasattr(config, k) for k in ("image_token_id", "image_token_index", "image_token"))
-    pictures = any(hasattr(config, k) for k in ("image_size", "backbone_config"))  # ViLT; TVP's frames
-    towers = hasattr(config, "vision_config") or (pictures and "input_ids" in names)
+    towers = hasattr(config, "vision_config") or (hasattr(config, "image_size") and "input_ids" in names)
     if towers and "pixel_values" in params and not image_tokens:
         names.append("pixel_values")  # a two-tower model (CLIP-like, ViLT) needs both of its inputs
     if "pixel_values" in names and "input_ids" in params and hasattr(config, "text_config") and not image_tokens:

@@ -116,6 +116,9 @@ def vision_inputs(
 ) -> dict[str, Any]:
     """The image inputs that come as a set, keyed by the forward's argument names (empty: none here)."""
     out = _patch_sequences(config, params, device, dtype)
+    matcher = hasattr(config, "keypoint_detector_config") or any("matching" in k for k in vars(config))
+    if matcher and "pixel_values" in params:  # a keypoint matcher reads image pairs: (batch, 2, C, H, W)
+        out["pixel_values"] = torch.stack([pixels(config, device, dtype)] * 2, dim=1)
     if "prompt_pixel_values" in params and "prompt_masks" in params:  # in-context segmentation (SegGPT)
         image = pixels(config, device, dtype)
         image = image[:, :, : image.shape[2] // 2]  # the prompt above the image fill image_size together
