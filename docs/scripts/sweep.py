@@ -176,7 +176,7 @@ def shrink(config: Any, depth: int = 0) -> Any:
     if isinstance(layers, int) and isinstance(names, list) and len(names) > layers + 1 and indices:
         with contextlib.suppress(AttributeError, TypeError, ValueError):  # a backbone's outputs: of the layers kept
             config.stage_names = names[: layers + 1]
-            config.out_indices = sorted({min(i, layers) for i in indices}) if not _per_stage(config, layers) else indices
+            config.out_indices = sorted({min(i, layers) for i in indices})
     hooks = getattr(config, "intermediate_hook_ids", None)  # DepthPro: the layers its fusion reads, of those kept
     if isinstance(hooks, (list, tuple)) and hooks:
         with contextlib.suppress(AttributeError, TypeError, ValueError):
