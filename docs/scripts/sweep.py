@@ -93,10 +93,6 @@ def shrink(config: Any, depth: int = 0) -> Any:
                 setattr(config, key, value)
     heads = getattr(config, "num_attention_heads", None)
     hidden = getattr(config, "hidden_size", None)
-    per_stage_heads = getattr(config, "num_heads", None)  # Swin: heads per stage, of the stage widths shrunk
-    if isinstance(per_stage_heads, (list, tuple)) and getattr(config, "embed_dim", None) == _SIZES["embed_dim"]:
-        with contextlib.suppress(AttributeError, TypeError, ValueError):
-            config.num_heads = [_SIZES["num_heads"]] * len(per_stage_heads)
     for key in ("word_embed_proj_dim", "projection_size"):  # widths that were the hidden size stay it (OPT, SigLIP-2)
         if getattr(config, key, None) == wide and isinstance(hidden, int):
             with contextlib.suppress(AttributeError, TypeError, ValueError):
