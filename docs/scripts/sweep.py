@@ -169,7 +169,8 @@ def shrink(config: Any, depth: int = 0) -> Any:
                 shrink(value, depth + 1)
     layers = getattr(config, "num_hidden_layers", None)
     names, indices = getattr(config, "stage_names", None), getattr(config, "out_indices", None)
-    if isinstance(layers, int) and isinstance(names, list) and len(names) > layers + 1 and indices:
+    flat = not hasattr(config, "depths")  # a stage per layer (DINOv2), not stages of several layers (Swin)
+    if flat and isinstance(layers, int) and isinstance(names, list) and len(names) > layers + 1 and indices:
         with contextlib.suppress(AttributeError, TypeError, ValueError):  # a backbone's outputs: of the layers kept
             config.stage_names = names[: layers + 1]
             config.out_indices = sorted({min(i, layers) for i in indices})

@@ -12,6 +12,7 @@ their image axis (IDEFICS). transformers is never imported: a config is read thr
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -114,7 +115,16 @@ def _patch_sequences(config: Any, params: Any, device: torch.device, dtype: torc
 def vision_inputs(
     model: nn.Module, config: Any, params: Any, device: torch.device, dtype: torch.dtype
 ) -> dict[str, Any]:
-    """The image inputs that come as a set, keyed by the forward's argument names (empty: none here)."""
+    """The image inputs that come as a set, keyed by the forward's argument names (empty: none here).
+
+    A model whose text holds image tokens (LFM2-VL, MiniCPM-V) gets no image unless its forward requires one:
+    the text built for it has none of those tokens.
+    """
+    main = getattr(model, "main_input_name", None)
+    required = {n for n, p in params.items() if p.default is inspect.Parameter.empty}
+    image_tokens = any(hasattr(config, k) for k in ("image_token_id", "image_token_index", "image_token"))
+    if image_tokens and main != "pixel_values" and "pixel_values" not in required:
+        return {}
     out = _patch_sequences(config, params, device, dtype)
     matcher = hasattr(config, "keypoint_detector_config") or any("matching" in k for k in vars(config))
     if matcher and "pixel_values" in params:  # a keypoint matcher reads image pairs: (batch, 2, C, H, W)
