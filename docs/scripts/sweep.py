@@ -55,17 +55,52 @@ _SIZES: dict[str, int] = {
 }  # fmt: skip
 
 
+def _per_stage(config: Any, stages: int) -> bool:
+    """``stages`` counts the stages of per-stage lists (widths, depths): make each stage 1 deep, keep the count."""
+    lists = {k: v for k, v in vars(config).items() if isinstance(v, (list, tuple)) and len(v) == stages > 1}
+    widths = [k for k, v in lists.items() if k.startswith("hidden_size") and all(isinstance(x, int) for x in v)]
+    if not widths:
+        return False
+    for key in ("depths", "num_layers_per_stage"):
+        if key in lists:
+            with contextlib.suppress(AttributeError, TypeError, ValueError):
+                setattr(config, key, [1] * stages)
+    return True
+
+
+def _first_stage_width(config: Any, width: object) -> bool:
+    """``width`` is the first of the config's per-stage widths (``embed_dim_per_stage``, ``hidden_sizes``)."""
+    return any(
+        isinstance(v, (list, tuple)) and v and v[0] == width and ("per_stage" in k or k == "hidden_sizes")
+        for k, v in vars(config).items()
+        if "dim" in k or "size" in k
+    )
+
+
 def shrink(config: Any, depth: int = 0) -> Any:
     """Shrink a config in place (and its sub-configs): the sizes above where the config has them."""
     from transformers import PretrainedConfig
 
+    wide, wide_heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
     for key, value in _SIZES.items():
         old = getattr(config, key, None)
+        if value == 1 and isinstance(old, int) and _per_stage(config, old):
+            continue  # a stage count (ConvNeXt: num_hidden_layers is num_stages): its stages are made shallow instead
+        if key == "hidden_size" and _first_stage_width(config, old):
+            continue  # the first stage's width (SAM 2's Hiera): kept, as the stage widths are
         if isinstance(old, int) and not isinstance(old, bool) and old > value:
             with contextlib.suppress(AttributeError, TypeError, ValueError):
                 setattr(config, key, value)
     heads = getattr(config, "num_attention_heads", None)
     hidden = getattr(config, "hidden_size", None)
+    for key in ("word_embed_proj_dim", "projection_size"):  # widths that were the hidden size stay it (OPT, SigLIP-2)
+        if getattr(config, key, None) == wide and isinstance(hidden, int):
+            with contextlib.suppress(AttributeError, TypeError, ValueError):
+                setattr(config, key, hidden)
+    per_head = wide // wide_heads if isinstance(wide, int) and isinstance(wide_heads, int) and wide_heads else None
+    if per_head and getattr(config, "dim_bbox_projection", None) == per_head and isinstance(hidden, int):
+        with contextlib.suppress(AttributeError, TypeError, ValueError):  # BROS: the box term is per head
+            config.dim_bbox_projection = hidden // heads if isinstance(heads, int) and heads else hidden
     if (
         isinstance(getattr(config, "head_dim", None), int)
         and isinstance(heads, int)
@@ -97,6 +132,10 @@ def shrink(config: Any, depth: int = 0) -> Any:
         if isinstance(value, int) and value >= 256:
             with contextlib.suppress(AttributeError, TypeError, ValueError):
                 setattr(config, key, 0)
+    for key in ("image_token_index", "video_token_index"):  # BLIP-2's default config has no image token
+        if key in vars(config) and hasattr(config, "num_query_tokens"):
+            with contextlib.suppress(AttributeError, TypeError, ValueError):
+                setattr(config, key, _SIZES["vocab_size"] - 1)
     layer_types = getattr(config, "layer_types", None)
     if isinstance(layer_types, list) and len(layer_types) > 1:
         kept = list(dict.fromkeys(layer_types))[:2]
@@ -128,6 +167,23 @@ def shrink(config: Any, depth: int = 0) -> Any:
         for value in list(vars(config).values()):
             if isinstance(value, PretrainedConfig):
                 shrink(value, depth + 1)
+    layers = getattr(config, "num_hidden_layers", None)
+    names, indices = getattr(config, "stage_names", None), getattr(config, "out_indices", None)
+    flat = not hasattr(config, "depths")  # a stage per layer (DINOv2), not stages of several layers (Swin)
+    if flat and isinstance(layers, int) and isinstance(names, list) and len(names) > layers + 1 and indices:
+        with contextlib.suppress(AttributeError, TypeError, ValueError):  # a backbone's outputs: of the layers kept
+            config.stage_names = names[: layers + 1]
+            config.out_indices = sorted({min(i, layers) for i in indices})
+    hooks = getattr(config, "intermediate_hook_ids", None)  # DepthPro: the layers its fusion reads, of those kept
+    if isinstance(hooks, (list, tuple)) and hooks:
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            config.intermediate_hook_ids = [0] * len(hooks)
+    vision_width = getattr(getattr(config, "vision_config", None), "hidden_size", None)
+    for value in list(vars(config).values()):  # a Q-Former reads the vision tower's width (BLIP-2): the shrunk one
+        if isinstance(value, PretrainedConfig) and isinstance(getattr(value, "encoder_hidden_size", None), int):
+            with contextlib.suppress(AttributeError, TypeError, ValueError):
+                if isinstance(vision_width, int) and value is not config.vision_config:
+                    value.encoder_hidden_size = vision_width
     return config
 
 
@@ -140,6 +196,8 @@ def shallow(config: Any, depth: int = 0) -> Any:
 
     for key in _DEPTHS:
         old = getattr(config, key, None)
+        if isinstance(old, int) and _per_stage(config, old):
+            continue
         if isinstance(old, int) and not isinstance(old, bool) and old > 1:
             with contextlib.suppress(AttributeError, TypeError, ValueError):
                 setattr(config, key, 1)

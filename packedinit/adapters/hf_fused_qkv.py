@@ -36,6 +36,11 @@ _VISION_QKV = (
     "cohere_compass.modeling_cohere_compass.CohereCompassVisionAttention",
     "exaone4_5.modeling_exaone4_5.Exaone4_5_VisionAttention",
     "blip.modeling_blip.BlipAttention",
+    "blip_2.modeling_blip_2.Blip2Attention",
+    "instructblip.modeling_instructblip.InstructBlipAttention",
+    "instructblipvideo.modeling_instructblipvideo.InstructBlipVideoAttention",
+    "mgp_str.modeling_mgp_str.MgpstrAttention",
+    "seggpt.modeling_seggpt.SegGptAttention",
     "hiera.modeling_hiera.HieraMaskUnitAttention",
     "sam.modeling_sam.SamVisionAttention",  # and its SDPA subclass
     "sam_hq.modeling_sam_hq.SamHQVisionAttention",

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from packedinit.trace.config_read import BATCH, TOKENS, Builder, Inputs, image_size, int_of, sub_config, where
+from packedinit.trace.config_read import BATCH, TOKENS, Builder, Inputs, int_of, sub_config, where
+from packedinit.trace.inputs_vision import image_hw, is_video, patch_images, pixels, prompt_images, vision_inputs
 
 __all__ = ["example_inputs"]
 
@@ -62,21 +63,14 @@ def _ids(config: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
     return ids.to(device)
 
 
-def _pixels(config: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
-    vision = sub_config(config, "vision_config", "backbone_config", "encoder_config")
-    channels = int_of(vision, "num_channels", "in_channels", "in_chans", "input_channels", default=3)
-    size = image_size(vision)
-    return torch.zeros(BATCH, channels, size, size, device=device, dtype=dtype)
-
-
 def _video(config: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
     vision = sub_config(config, "vision_config", "video_config")
     frames = int_of(vision, "num_frames", "frames_per_clip", default=4)
     tubelet = int_of(vision, "tubelet_size", default=1)
     frames = max(frames, tubelet) // tubelet * tubelet
     channels = int_of(vision, "num_channels", "in_channels", default=3)
-    size = image_size(vision)
-    return torch.zeros(BATCH, frames, channels, size, size, device=device, dtype=dtype)
+    h, w = image_hw(vision)
+    return torch.zeros(BATCH, frames, channels, h, w, device=device, dtype=dtype)
 
 
 def _audio(config: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
@@ -114,7 +108,7 @@ def _patches(config: Any, device: torch.device, dtype: torch.dtype) -> tuple[Ten
     merge = int_of(vision, "spatial_merge_size", "merge_size", default=2)
     width = (
         int_of(vision, "in_channels", "num_channels", default=3)
-        * int_of(vision, "temporal_patch_size", default=1)
+        * int_of(vision, "temporal_patch_size", "patch_temporal", default=1)
         * int_of(vision, "patch_size", default=14) ** 2
     )
     grid = torch.tensor([[1, 2 * merge, 2 * merge]], device=device)
@@ -132,7 +126,7 @@ _BUILDERS: dict[str, Builder] = {
     "input_ids": _ids,
     "decoder_input_ids": _ids,
     "qformer_input_ids": _ids,
-    "pixel_values": _pixels,
+    "pixel_values": pixels,
     "pixel_values_videos": _video,
     "input_values": _audio,
     "input_features": _features,
@@ -160,7 +154,9 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
     if "pixel_values" in required and ("grid_thw" in required or "image_grid_thw" in required):
         grid_name = "grid_thw" if "grid_thw" in required else "image_grid_thw"
         kwargs["pixel_values"], kwargs[grid_name] = _patches(config, device, dtype)
+        kwargs["pixel_values"] = patch_images(model, config, kwargs["pixel_values"])
         required = [n for n in required if n not in kwargs]
+    kwargs.update((k, v) for k, v in vision_inputs(model, config, params, device, dtype).items() if k not in kwargs)
     names = [n for n in dict.fromkeys([*([main] if isinstance(main, str) else []), *required]) if n not in kwargs]
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
         names.append("decoder_input_ids")
@@ -171,10 +167,10 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
     if "pixel_values" in names and "input_ids" in params and hasattr(config, "text_config") and not image_tokens:
         names.append("input_ids")  # an image model prompted by text (Kosmos-2, SAM 3)
     for name in names:
-        if name not in params:
+        if name not in params or name in kwargs:
             continue
         build = _BUILDERS.get(name)
-        if name == "pixel_values" and hasattr(sub_config(config, "vision_config"), "num_frames"):
+        if name == "pixel_values" and is_video(config):
             build = _video  # a video model whose main input is called pixel_values (VideoMAE, ViViT)
         if name == "input_features":  # mel bins first where a Conv1d reads them as channels (Whisper)
             mel = getattr(sub_config(config, "audio_config", "encoder_config", "speech_config"), "num_mel_bins", None)
@@ -194,6 +190,7 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
             kwargs[name] = torch.zeros(BATCH, tokens, width, device=device, dtype=dtype)
         elif name in required:
             return None  # a required input nobody here knows how to build
+    prompt_images(config, params, kwargs, device)
     if kwargs and "use_cache" in params:
         kwargs["use_cache"] = False  # no cache to build (a hybrid model's cache can refuse a tiny config)
     if "past_observed_mask" in names and isinstance(kwargs.get("past_values"), Tensor):
