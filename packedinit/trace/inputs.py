@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from packedinit.trace.config_read import BATCH, TOKENS, Builder, Inputs, image_size, int_of, sub_config, where
+from packedinit.trace.inputs_audio import AUDIO_INPUTS, fitted_audio, wanted_audio
 
 __all__ = ["example_inputs"]
 
@@ -170,6 +171,9 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
         names.append("pixel_values")  # a two-tower model (CLIP-like, ViLT) needs both of its inputs
     if "pixel_values" in names and "input_ids" in params and hasattr(config, "text_config") and not image_tokens:
         names.append("input_ids")  # an image model prompted by text (Kosmos-2, SAM 3)
+    audio = wanted_audio(config, params, names)
+    if audio is not None:
+        names.append(audio)  # a text-and-audio model needs both of its inputs (CLAP)
     for name in names:
         if name not in params:
             continue
@@ -198,6 +202,8 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
         kwargs["use_cache"] = False  # no cache to build (a hybrid model's cache can refuse a tiny config)
     if "past_observed_mask" in names and isinstance(kwargs.get("past_values"), Tensor):
         kwargs["past_observed_mask"] = torch.ones_like(kwargs["past_values"])
+    if any(n in kwargs for n in AUDIO_INPUTS):
+        kwargs = fitted_audio(model, kwargs, params)  # the layout, width and length the forward accepts
     return ((), kwargs) if kwargs else None
 
 

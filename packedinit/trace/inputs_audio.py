@@ -1,0 +1,176 @@
+"""Audio inputs that fit the model: the layouts a config allows, tried on a meta twin until the forward accepts one.
+
+An audio model's config rarely says its input's layout in one field: raw audio is ``(batch, samples)`` for
+one model and ``(batch, 1, samples)`` for the next, features are ``(batch, frames, mel bins)`` or
+``(batch, mel bins, frames)``, the width is ``num_mel_bins`` or a stack of frames, and the length must be a
+multiple of a hop or a chunk. :func:`fitted_audio` reads the widths the config names (every audio sub-config),
+builds the few layouts they allow and runs the forward on a meta twin of the model (no value read, no
+arithmetic) on each until one goes through. :func:`wanted_audio` names the audio input a two-tower model
+(text and audio, CLAP-like) needs beside its text.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from packedinit.trace.config_read import BATCH
+from packedinit.trace.twin import meta_twin, random_states_kept
+
+__all__ = ["AUDIO_INPUTS", "fitted_audio", "wanted_audio"]
+
+#: The names a transformers forward gives its audio input.
+AUDIO_INPUTS = ("input_values", "input_features", "audio_mel")
+_MASKS = ("_mask", "_attention_mask")
+_SUBS = ("audio_config", "encoder_config", "speech_config", "asr_config", "acoustic_config", "audio_encoder_config")
+_WIDTHS = (
+    "num_mel_bins", "input_feat_size", "feature_size", "input_dim", "input_size", "n_mels", "num_mels",
+    "model_in_channels", "feat_in", "input_channels", "channels", "vae_dim", "hidden_size",
+)  # fmt: skip
+_STACKS = ("num_stacked_frames", "stack_frames", "frame_stack", "context_size_frames")
+_SAMPLES = 15360  # 2**10 * 3 * 5: a multiple of every usual hop (256, 320, 480, 512, 960, 1920, 3840)
+_FRAMES = 200  # a multiple of the usual chunks (8, 40, 50, 100)
+_REAL_PROBE = 20_000_000  # a model this small is tried for real where its forward reads values
+_VALUES = ("meta tensor", "meta tensors", "expected device meta", "no data!", "without output_size")
+
+
+def _configs(config: Any) -> list[Any]:
+    subs = [getattr(config, n, None) for n in _SUBS]
+    return [*(s for s in subs if s is not None and hasattr(s, "to_dict")), config]
+
+
+def _ints(configs: list[Any], keys: tuple[str, ...]) -> list[int]:
+    out: list[int] = []
+    for sub, key in itertools.product(configs, keys):
+        value = getattr(sub, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= 4096 and value not in out:
+            out.append(value)
+    return out
+
+
+def _windows(configs: list[Any]) -> list[int]:
+    """Chunk lengths the frames must be a multiple of (``n_window`` is half of one)."""
+    return [2 * w for w in _ints(configs, ("n_window",))] + _ints(configs, ("chunk_length", "chunk_size"))
+
+
+def _first_widths(model: nn.Module) -> list[int]:
+    """What the model's first few linear and 1-d convolution layers read: a width the config may not name."""
+    found = (m.in_features if isinstance(m, nn.Linear) else m.in_channels for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d)))
+    return list(itertools.islice(found, 3))
+
+
+def _candidates(name: str, built: Tensor, model: nn.Module, config: Any) -> Iterator[tuple[Tensor, int]]:
+    """The layouts to try for one audio input and their time axis, the one :mod:`packedinit.trace.inputs` built first."""
+    device, dtype = built.device, built.dtype
+    configs = _configs(config)
+    widths = _ints(configs, _WIDTHS)
+    yield built, (1 if built.dim() == 2 or built.shape[-1] in widths else -1)
+    stacks = _ints(configs, _STACKS)
+    widths += [w * s for w in widths[:2] for s in stacks] + [*_first_widths(model), 80, 128]
+    frames = [_FRAMES, *(w * 4 for w in _windows(configs) if w * 4 != _FRAMES), 40]
+    if name == "input_values":  # raw audio first, then a tower fed features or latents under the same name
+        channels = _ints(configs, ("audio_channels",)) or [1]
+        yield torch.zeros(BATCH, _SAMPLES, device=device, dtype=dtype), 1
+        for c in dict.fromkeys([*channels, 1]):
+            yield torch.zeros(BATCH, c, _SAMPLES, device=device, dtype=dtype), -1
+    for length, width in itertools.product(frames, dict.fromkeys(widths)):
+        yield torch.zeros(BATCH, length, width, device=device, dtype=dtype), 1
+        yield torch.zeros(BATCH, width, length, device=device, dtype=dtype), -1
+        yield torch.zeros(BATCH, 1, length, width, device=device, dtype=dtype), 2  # an image of the spectrogram
+
+
+def _with(kwargs: dict[str, Any], name: str, value: Tensor, axis: int, params: Any, flag: bool) -> dict[str, Any]:
+    out = dict(kwargs)
+    out[name] = value
+    dtype = torch.bool if flag else torch.long
+    for mask in (name + suffix for suffix in _MASKS):  # its mask follows it (ones over its frames)
+        if mask in params:
+            out[mask] = torch.ones(BATCH, value.shape[axis], device=value.device, dtype=dtype)
+    return out
+
+
+def _outcome(model: nn.Module, kwargs: dict[str, Any]) -> str:
+    """``"ok"``, ``"values"`` (it got as far as reading a value, which meta cannot give), ``"bool"`` or ``"no"``."""
+    meta = next(model.parameters()).is_meta
+    given = {k: torch.empty_like(v, device="meta") if isinstance(v, Tensor) and meta else v for k, v in kwargs.items()}
+    try:
+        with random_states_kept(), torch.no_grad():
+            model(**given)
+    except Exception as e:
+        text = str(e)
+        return "values" if any(k in text for k in _VALUES) else "bool" if "bool" in text else "no"
+    return "ok"
+
+
+def _fits(model: nn.Module, trials: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The first trial the forward runs through, and the ones that got as far as reading a value."""
+    reached: list[dict[str, Any]] = []
+    for trial in trials:
+        outcome = _outcome(model, trial)
+        if outcome == "bool":  # the mask is read as a predicate: a bool mask
+            mask = {k: v.bool() for k, v in trial.items() if k.endswith(_MASKS) and isinstance(v, Tensor)}
+            trial = {**trial, **mask}
+            outcome = _outcome(model, trial)
+        if outcome == "ok":
+            return trial, reached
+        if outcome == "values":
+            reached.append(trial)
+    return None, reached
+
+
+def fitted_audio(model: nn.Module, kwargs: dict[str, Any], params: Any) -> dict[str, Any]:
+    """``kwargs`` with its audio input in the first layout the forward accepts on a meta twin of ``model``.
+
+    The input built by :mod:`packedinit.trace.inputs` is tried first, then raw audio ``(2, samples)`` and
+    ``(2, channels, samples)``, then features ``(2, frames, width)`` and ``(2, width, frames)`` for every
+    width the config (and its audio sub-configs) names, stacked frames too; a ``<name>_mask`` parameter
+    gets ones over the frames. A layout that reaches a value read (``.item()``) counts when none runs
+    through. ``kwargs`` unchanged: no audio input, or no layout fits.
+
+    Args:
+        model: the transformers model (any device: the trial runs on a meta twin).
+        kwargs: the inputs built so far.
+        params: the forward's signature parameters.
+
+    Returns:
+        The inputs, the audio one fitted.
+    """
+    names = [n for n in AUDIO_INPUTS if isinstance(kwargs.get(n), Tensor)]
+    config = getattr(model, "config", None)
+    if len(names) != 1 or config is None:
+        return kwargs
+    name = names[0]
+    trials = [_with(kwargs, name, c, axis, params, False) for c, axis in _candidates(name, kwargs[name], model, config)]
+    twin = meta_twin(model)
+    twin.eval()
+    fitted, reached = _fits(twin, trials)
+    del twin
+    small = sum(p.numel() for p in model.parameters()) <= _REAL_PROBE
+    if fitted is None and reached and small and not next(model.parameters()).is_meta:
+        copied = copy.deepcopy(model)  # the forward reads values: the layouts that got that far, on a real copy
+        copied.eval()
+        fitted = _fits(copied, reached)[0]
+    return fitted if fitted is not None else reached[0] if reached else kwargs
+
+
+def wanted_audio(config: Any, params: Any, names: list[str]) -> str | None:
+    """The audio input a text-and-audio model needs beside its text (CLAP, CLVP), else ``None``.
+
+    Args:
+        config: the model's config.
+        params: the forward's signature parameters.
+        names: the inputs chosen so far.
+
+    Returns:
+        The name of the audio parameter to build, or ``None``.
+    """
+    tokens = any(hasattr(config, k) for k in ("audio_token_id", "audio_token_index", "audio_token"))
+    towers = any(getattr(config, n, None) is not None for n in _SUBS[:3])
+    if tokens or not towers or "input_ids" not in names or any(n in names for n in AUDIO_INPUTS):
+        return None
+    return next((n for n in AUDIO_INPUTS if n in params), None)
