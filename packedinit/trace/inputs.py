@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from packedinit.trace.config_read import BATCH, TOKENS, Builder, Inputs, image_size, int_of, sub_config, where
-from packedinit.trace.inputs_audio import AUDIO_INPUTS, fitted_audio, wanted_audio
+from packedinit.trace.inputs_audio import AUDIO_INPUTS, fitted_audio, fitted_other, wanted_audio
 
 __all__ = ["example_inputs"]
 
@@ -155,6 +155,7 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     required = [n for n, p in params.items() if p.default is inspect.Parameter.empty and p.kind in named]
     kwargs: dict[str, Any] = {}
+    missing: list[str] = []
     if "hidden_states" in required and "grid_thw" in required:
         kwargs["hidden_states"], kwargs["grid_thw"] = _patches(config, device, dtype)
         required = [n for n in required if n not in kwargs]
@@ -196,10 +197,15 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
             width = int_of(config, "hidden_size", "d_model", default=64)
             tokens = int_of(config, "num_query_tokens", default=TOKENS) if name == "query_embeds" else TOKENS
             kwargs[name] = torch.zeros(BATCH, tokens, width, device=device, dtype=dtype)
-        elif name in required:
-            return None  # a required input nobody here knows how to build
-    if kwargs and "use_cache" in params:
+        elif name in required or name == main:
+            missing.append(name)  # no builder knows it: fitted below
+    if (kwargs or missing) and "use_cache" in params:
         kwargs["use_cache"] = False  # no cache to build (a hybrid model's cache can refuse a tiny config)
+    if missing or "past_values" in kwargs:
+        fitted = fitted_other(model, kwargs, missing, params)
+        if fitted is None:
+            return None  # a required input nobody here knows how to build
+        kwargs = fitted
     if "past_observed_mask" in names and isinstance(kwargs.get("past_values"), Tensor):
         kwargs["past_observed_mask"] = torch.ones_like(kwargs["past_values"])
     if any(n in kwargs for n in AUDIO_INPUTS):

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from packedinit.trace.config_read import BATCH
+from packedinit.trace.config_read import BATCH, TOKENS, int_of
 from packedinit.trace.twin import meta_twin, random_states_kept
 
-__all__ = ["AUDIO_INPUTS", "fitted_audio", "wanted_audio"]
+__all__ = ["AUDIO_INPUTS", "fitted_audio", "fitted_other", "wanted_audio"]
 
 #: The names a transformers forward gives its audio input.
 AUDIO_INPUTS = ("input_values", "input_features", "audio_mel")
@@ -87,6 +87,8 @@ def _candidates(name: str, built: Tensor, model: nn.Module, config: Any) -> Iter
 def _with(kwargs: dict[str, Any], name: str, value: Tensor, axis: int, params: Any, flag: bool) -> dict[str, Any]:
     out = dict(kwargs)
     out[name] = value
+    if "decoder_" + name in params:  # an encoder-decoder fed the same kind on both sides (SpeechT5)
+        out["decoder_" + name] = value
     dtype = torch.bool if flag else torch.long
     for mask in (name + suffix for suffix in _MASKS):  # its mask follows it (ones over its frames)
         if mask in params:
@@ -103,6 +105,9 @@ def _outcome(model: nn.Module, kwargs: dict[str, Any]) -> str:
             model(**given)
     except Exception as e:
         text = str(e)
+        import os
+        if os.environ.get("AUD_DEBUG"):
+            print("PROBE", {k: tuple(v.shape) for k, v in kwargs.items() if isinstance(v, Tensor)}, type(e).__name__, text[:150])
         return "values" if any(k in text for k in _VALUES) else "bool" if "bool" in text else "no"
     return "ok"
 
@@ -146,16 +151,21 @@ def fitted_audio(model: nn.Module, kwargs: dict[str, Any], params: Any) -> dict[
         return kwargs
     name = names[0]
     trials = [_with(kwargs, name, c, axis, params, False) for c, axis in _candidates(name, kwargs[name], model, config)]
+    return _fitted(model, trials) or kwargs
+
+
+def _fitted(model: nn.Module, trials: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first trial the forward accepts on a meta twin (on a real copy of a small model where it reads values)."""
     twin = meta_twin(model)
     twin.eval()
     fitted, reached = _fits(twin, trials)
     del twin
     small = sum(p.numel() for p in model.parameters()) <= _REAL_PROBE
     if fitted is None and reached and small and not next(model.parameters()).is_meta:
-        copied = copy.deepcopy(model)  # the forward reads values: the layouts that got that far, on a real copy
+        copied = copy.deepcopy(model)  # the forward reads values: the trials that got that far, on a real copy
         copied.eval()
         fitted = _fits(copied, reached)[0]
-    return fitted if fitted is not None else reached[0] if reached else kwargs
+    return fitted if fitted is not None else reached[0] if reached else None
 
 
 def wanted_audio(config: Any, params: Any, names: list[str]) -> str | None:
@@ -174,3 +184,78 @@ def wanted_audio(config: Any, params: Any, names: list[str]) -> str | None:
     if tokens or not towers or "input_ids" not in names or any(n in names for n in AUDIO_INPUTS):
         return None
     return next((n for n in AUDIO_INPUTS if n in params), None)
+
+
+# -- inputs no builder knows: decision sequences, time series' side inputs, embeddings fed in ------------
+
+_DECISIONS = {"states": ("state_dim",), "actions": ("act_dim", "action_dim"), "rewards": (), "returns_to_go": ()}
+_LONGS = ("timesteps", "freq", "_ids")
+
+
+def _series(value: Tensor, config: Any) -> Iterator[Tensor]:
+    """A series as built, then ``(batch, length)`` with the length a multiple of the patch (TimesFM)."""
+    yield value
+    patch = int_of(config, "patch_length", "patch_len", "input_patch_len", default=1)
+    length = -(-int_of(config, "context_length", default=32) // patch) * patch
+    yield torch.zeros(BATCH, length, device=value.device, dtype=value.dtype)
+
+
+def _side(name: str, series: Tensor | None, width: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """One input beside the main ones: a series' padding, an id or step count, or a ``(2, 5, width)`` tensor."""
+    if series is not None and ("padding" in name or name.endswith("mask")):
+        return torch.zeros(series.shape[:2], device=device, dtype=series.dtype)
+    if name == "freq":
+        return torch.zeros(BATCH, 1, device=device, dtype=torch.long)
+    if name.endswith(_LONGS):
+        return torch.zeros(BATCH, TOKENS, device=device, dtype=torch.long)
+    return torch.zeros(BATCH, TOKENS, width, device=device, dtype=dtype)
+
+
+def _other_widths(model: nn.Module, config: Any, name: str) -> list[int]:
+    if name in _DECISIONS:  # a decision sequence: its own width, or one value a step
+        return [int_of(config, *_DECISIONS[name], default=1)]
+    if name.endswith(("padding", "mask", "freq")) or name.endswith(_LONGS):
+        return [0]
+    keys = ("hidden_size", "d_model", "d_latents", "n_embd")
+    found = [int_of(config, k, default=0) for k in keys] + [int_of(config, k, default=0) for k in ("state_dim",)]
+    found += [m.in_features for m in model.modules() if isinstance(m, nn.Linear)][:8]
+    return [w for w in dict.fromkeys(found) if w > 0][:5]
+
+
+def fitted_other(model: nn.Module, kwargs: dict[str, Any], missing: list[str], params: Any) -> dict[str, Any] | None:
+    """``kwargs`` and the inputs in ``missing`` (no builder knows them), fitted on a meta twin; ``None``: none fits.
+
+    A decision sequence (``states``, ``actions``, ``rewards``, ``returns_to_go``, ``timesteps``:
+    Decision Transformer) is read from the config's ``state_dim`` and ``act_dim``; a series' padding
+    and frequency (TimesFM) follow the series, which is tried as ``(2, length)`` too, the length a
+    multiple of the config's patch; any other input is ``(2, 5, width)`` for the widths the config and
+    the model's linear layers read, tried until the forward accepts them.
+
+    Args:
+        model: the transformers model.
+        kwargs: the inputs built so far.
+        missing: the inputs to build.
+        params: the forward's signature parameters.
+
+    Returns:
+        The inputs with the missing ones, or ``None``.
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    if any(n in missing for n in _DECISIONS):
+        missing = [*dict.fromkeys([*missing, *(n for n in (*_DECISIONS, "timesteps") if n in params)])]
+    device, dtype = next(((p.device, p.dtype) for p in model.parameters() if p.is_floating_point()), (None, None))
+    if device is None or dtype is None:
+        return None
+    series = kwargs.get("past_values")
+    bases = list(_series(series, config)) if isinstance(series, Tensor) else [None]
+    trials: list[dict[str, Any]] = []
+    for base in bases:
+        for widths in itertools.islice(itertools.product(*(_other_widths(model, config, n) for n in missing)), 32):
+            trial = dict(kwargs) if base is None else {**kwargs, "past_values": base}
+            trial.update({n: _side(n, base, w, device, dtype) for n, w in zip(missing, widths)})
+            if "attention_mask" in params and any(n in _DECISIONS for n in missing):
+                trial["attention_mask"] = torch.ones(BATCH, TOKENS, device=device, dtype=torch.long)
+            trials.append(trial)
+    return _fitted(model, trials)
