@@ -42,7 +42,7 @@ from packedinit.trace.compare import disagreements
 from packedinit.trace.inputs import example_inputs
 
 _SIZES: dict[str, int] = {
-    "hidden_size": 64, "d_model": 64, "n_embd": 64, "dim": 64, "embed_dim": 64, "n_embed": 64, "d_embed": 64,
+    "hidden_size": 64, "hidden_size_global": 64, "d_model": 64, "n_embd": 64, "dim": 64, "embed_dim": 64, "n_embed": 64, "d_embed": 64,
     "num_hidden_layers": 1, "num_layers": 1, "n_layer": 1, "n_layers": 1, "encoder_layers": 1,
     "decoder_layers": 1, "num_encoder_layers": 1, "num_decoder_layers": 1, "depth": 1,
     "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "encoder_attention_heads": 4,
@@ -114,6 +114,17 @@ def shrink(config: Any, depth: int = 0) -> Any:
         with contextlib.suppress(AttributeError, TypeError, ValueError):
             config.mamba_n_heads = 4
             config.mamba_d_head = mamba_expand * hidden // 4
+    block_types = getattr(config, "layers_block_type", None)  # Zamba-2: what its __post_init__ derives, again
+    if isinstance(block_types, list) and isinstance(getattr(config, "hybrid_layer_ids", None), list):
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            config.hybrid_layer_ids = [i for i, kind in enumerate(block_types) if kind == "hybrid"]
+            if isinstance(hidden, int) and isinstance(getattr(config, "attention_hidden_size", None), int):
+                config.attention_hidden_size = 2 * hidden  # the attention reads the embeddings beside the state
+            if isinstance(mamba_heads := getattr(config, "n_mamba_heads", None), int) and isinstance(hidden, int):
+                config.mamba_headdim = int(getattr(config, "mamba_expand", 2) * hidden) // mamba_heads
+    if hasattr(config, "num_sliding_attention_heads") and getattr(config, "sliding_window", 0) is None:
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            config.sliding_window = 64  # Step-3.7 builds its sliding-window mask whatever its layer types
     rope = getattr(config, "rope_parameters", None)
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
     head_dim = getattr(config, "head_dim", None)
