@@ -248,6 +248,11 @@ def fitted_other(model: nn.Module, kwargs: dict[str, Any], missing: list[str], p
     device, dtype = next(((p.device, p.dtype) for p in model.parameters() if p.is_floating_point()), (None, None))
     if device is None or dtype is None:
         return None
+    main = getattr(model, "main_input_name", None)
+    if main in AUDIO_INPUTS and len(missing) == 1:  # audio under another name (VibeVoice's hidden_states)
+        seed = torch.zeros(BATCH, _SAMPLES, device=device, dtype=dtype)
+        audio = [_with(kwargs, missing[0], c, axis, params, False) for c, axis in _candidates("input_values", seed, model, config)]
+        return _fitted(model, audio)
     series = kwargs.get("past_values")
     bases = list(_series(series, config)) if isinstance(series, Tensor) else [None]
     trials: list[dict[str, Any]] = []
