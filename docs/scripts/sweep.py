@@ -192,7 +192,7 @@ def _trace(row: dict[str, Any], model: Any) -> None:
     row["sources"] = _sources(found, claimed)
 
 
-_VALUES = ("meta tensor", "expected device meta", "no data!", "without output_size")
+_VALUES = ("meta tensor", "expected device meta", "not on the expected device", "no data!", "without output_size")
 _CPU_PARAMS = 400_000_000  # a default-width model built for real on the CPU: at most this many parameters
 
 

@@ -36,7 +36,7 @@ _STACKS = ("num_stacked_frames", "stack_frames", "frame_stack", "context_size_fr
 _SAMPLES = 15360  # 2**10 * 3 * 5: a multiple of every usual hop (256, 320, 480, 512, 960, 1920, 3840)
 _FRAMES = 200  # a multiple of the usual chunks (8, 40, 50, 100)
 _REAL_PROBE = 20_000_000  # a model this small is tried for real where its forward reads values
-_VALUES = ("meta tensor", "meta tensors", "expected device meta", "no data!", "without output_size")
+_VALUES = ("meta tensor", "meta tensors", "expected device meta", "not on the expected device", "no data!", "without output_size")
 
 
 def _configs(config: Any) -> list[Any]:
@@ -64,7 +64,9 @@ def _first_widths(model: nn.Module) -> list[int]:
     return list(itertools.islice(found, 3))
 
 
-def _candidates(name: str, built: Tensor, model: nn.Module, config: Any) -> Iterator[tuple[Tensor, int]]:
+def _candidates(
+    name: str, built: Tensor, model: nn.Module, config: Any, beside: Tensor | None = None
+) -> Iterator[tuple[Tensor, int]]:
     """The layouts to try for one audio input and their time axis, the one :mod:`packedinit.trace.inputs` built first."""
     device, dtype = built.device, built.dtype
     configs = _configs(config)
@@ -73,6 +75,8 @@ def _candidates(name: str, built: Tensor, model: nn.Module, config: Any) -> Iter
     stacks = _ints(configs, _STACKS)
     widths += [w * s for w in widths[:2] for s in stacks] + [*_first_widths(model), 80, 128]
     frames = [_FRAMES, *(w * 4 for w in _windows(configs) if w * 4 != _FRAMES), 40]
+    if beside is not None:  # features beside raw audio (a codec): as many frames as the audio has hops first
+        frames.insert(0, 16)
     if name == "input_values":  # raw audio first, then a tower fed features or latents under the same name
         channels = _ints(configs, ("audio_channels",)) or [1]
         yield torch.zeros(BATCH, _SAMPLES, device=device, dtype=dtype), 1
@@ -147,10 +151,12 @@ def fitted_audio(model: nn.Module, kwargs: dict[str, Any], params: Any) -> dict[
     """
     names = [n for n in AUDIO_INPUTS if isinstance(kwargs.get(n), Tensor)]
     config = getattr(model, "config", None)
-    if len(names) != 1 or config is None:
+    if not names or config is None:
         return kwargs
-    name = names[0]
-    trials = [_with(kwargs, name, c, axis, params, False) for c, axis in _candidates(name, kwargs[name], model, config)]
+    name = names[-1]  # with raw audio beside features (a codec), the features are fitted to it
+    raw = kwargs.get("input_values") if name != "input_values" else None
+    built = _candidates(name, kwargs[name], model, config, raw)
+    trials = [_with(kwargs, name, c, axis, params, False) for c, axis in built]
     return _fitted(model, trials) or kwargs
 
 
