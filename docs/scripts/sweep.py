@@ -42,7 +42,8 @@ from packedinit.trace.compare import disagreements
 from packedinit.trace.inputs import example_inputs
 
 _SIZES: dict[str, int] = {
-    "hidden_size": 64, "hidden_size_global": 64, "d_model": 64, "n_embd": 64, "dim": 64, "embed_dim": 64, "n_embed": 64, "d_embed": 64,
+    "hidden_size": 64, "hidden_size_global": 64, "d_model": 64, "n_embd": 64, "dim": 64, "embed_dim": 64,
+    "n_embed": 64, "d_embed": 64,
     "num_hidden_layers": 1, "num_layers": 1, "n_layer": 1, "n_layers": 1, "encoder_layers": 1,
     "decoder_layers": 1, "num_encoder_layers": 1, "num_decoder_layers": 1, "depth": 1,
     "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "encoder_attention_heads": 4,

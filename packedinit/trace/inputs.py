@@ -203,9 +203,9 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
         kwargs["use_cache"] = False  # no cache to build (a hybrid model's cache can refuse a tiny config)
     if missing or "past_values" in kwargs:
         fitted = fitted_other(model, kwargs, missing, params)
-        if fitted is None:
+        if fitted is None and missing:
             return None  # a required input nobody here knows how to build
-        kwargs = fitted
+        kwargs = fitted or kwargs
     if "past_observed_mask" in names and isinstance(kwargs.get("past_values"), Tensor):
         kwargs["past_observed_mask"] = torch.ones_like(kwargs["past_values"])
     if any(n in kwargs for n in AUDIO_INPUTS):

@@ -6,7 +6,9 @@ one model and ``(batch, 1, samples)`` for the next, features are ``(batch, frame
 multiple of a hop or a chunk. :func:`fitted_audio` reads the widths the config names (every audio sub-config),
 builds the few layouts they allow and runs the forward on a meta twin of the model (no value read, no
 arithmetic) on each until one goes through. :func:`wanted_audio` names the audio input a two-tower model
-(text and audio, CLAP-like) needs beside its text.
+(text and audio, CLAP-like) needs beside its text. :func:`fitted_other` builds, the same way, the inputs
+no builder of :mod:`packedinit.trace.inputs` knows: a decision sequence, a series' padding and frequency,
+embeddings fed in.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ _STACKS = ("num_stacked_frames", "stack_frames", "frame_stack", "context_size_fr
 _SAMPLES = 15360  # 2**10 * 3 * 5: a multiple of every usual hop (256, 320, 480, 512, 960, 1920, 3840)
 _FRAMES = 200  # a multiple of the usual chunks (8, 40, 50, 100)
 _REAL_PROBE = 20_000_000  # a model this small is tried for real where its forward reads values
-_VALUES = ("meta tensor", "meta tensors", "expected device meta", "not on the expected device", "no data!", "without output_size")
+_VALUES = ("meta tensor", "expected device meta", "not on the expected device", "no data!", "without output_size")
 
 
 def _configs(config: Any) -> list[Any]:
@@ -60,14 +62,14 @@ def _windows(configs: list[Any]) -> list[int]:
 
 def _first_widths(model: nn.Module) -> list[int]:
     """What the model's first few linear and 1-d convolution layers read: a width the config may not name."""
-    found = (m.in_features if isinstance(m, nn.Linear) else m.in_channels for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d)))
-    return list(itertools.islice(found, 3))
+    layers = (m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d)))
+    return [m.in_features if isinstance(m, nn.Linear) else m.in_channels for m in itertools.islice(layers, 3)]
 
 
 def _candidates(
     name: str, built: Tensor, model: nn.Module, config: Any, beside: Tensor | None = None
 ) -> Iterator[tuple[Tensor, int]]:
-    """The layouts to try for one audio input and their time axis, the one :mod:`packedinit.trace.inputs` built first."""
+    """The layouts to try for one audio input, each with its time axis; the one built by the caller first."""
     device, dtype = built.device, built.dtype
     configs = _configs(config)
     widths = _ints(configs, _WIDTHS)
@@ -88,30 +90,30 @@ def _candidates(
         yield torch.zeros(BATCH, 1, length, width, device=device, dtype=dtype), 2  # an image of the spectrogram
 
 
-def _with(kwargs: dict[str, Any], name: str, value: Tensor, axis: int, params: Any, flag: bool) -> dict[str, Any]:
+def _with(kwargs: dict[str, Any], name: str, value: Tensor, axis: int, params: Any) -> dict[str, Any]:
     out = dict(kwargs)
     out[name] = value
     if "decoder_" + name in params:  # an encoder-decoder fed the same kind on both sides (SpeechT5)
         out["decoder_" + name] = value
-    dtype = torch.bool if flag else torch.long
     for mask in (name + suffix for suffix in _MASKS):  # its mask follows it (ones over its frames)
         if mask in params:
-            out[mask] = torch.ones(BATCH, value.shape[axis], device=value.device, dtype=dtype)
+            out[mask] = torch.ones(BATCH, value.shape[axis], device=value.device, dtype=torch.long)
     return out
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
 
 
 def _outcome(model: nn.Module, kwargs: dict[str, Any]) -> str:
     """``"ok"``, ``"values"`` (it got as far as reading a value, which meta cannot give), ``"bool"`` or ``"no"``."""
-    meta = next(model.parameters()).is_meta
+    meta = _on_meta(model)
     given = {k: torch.empty_like(v, device="meta") if isinstance(v, Tensor) and meta else v for k, v in kwargs.items()}
     try:
         with random_states_kept(), torch.no_grad():
             model(**given)
     except Exception as e:
         text = str(e)
-        import os
-        if os.environ.get("AUD_DEBUG"):
-            print("PROBE", {k: tuple(v.shape) for k, v in kwargs.items() if isinstance(v, Tensor)}, type(e).__name__, text[:150])
         return "values" if any(k in text for k in _VALUES) else "bool" if "bool" in text else "no"
     return "ok"
 
@@ -156,7 +158,7 @@ def fitted_audio(model: nn.Module, kwargs: dict[str, Any], params: Any) -> dict[
     name = names[-1]  # with raw audio beside features (a codec), the features are fitted to it
     raw = kwargs.get("input_values") if name != "input_values" else None
     built = _candidates(name, kwargs[name], model, config, raw)
-    trials = [_with(kwargs, name, c, axis, params, False) for c, axis in built]
+    trials = [_with(kwargs, name, c, axis, params) for c, axis in built]
     return _fitted(model, trials) or kwargs
 
 
@@ -167,7 +169,7 @@ def _fitted(model: nn.Module, trials: list[dict[str, Any]]) -> dict[str, Any] | 
     fitted, reached = _fits(twin, trials)
     del twin
     small = sum(p.numel() for p in model.parameters()) <= _REAL_PROBE
-    if fitted is None and reached and small and not next(model.parameters()).is_meta:
+    if fitted is None and reached and small and not _on_meta(model):
         copied = copy.deepcopy(model)  # the forward reads values: the trials that got that far, on a real copy
         copied.eval()
         fitted = _fits(copied, reached)[0]
@@ -257,15 +259,15 @@ def fitted_other(model: nn.Module, kwargs: dict[str, Any], missing: list[str], p
     main = getattr(model, "main_input_name", None)
     if main in AUDIO_INPUTS and len(missing) == 1:  # audio under another name (VibeVoice's hidden_states)
         seed = torch.zeros(BATCH, _SAMPLES, device=device, dtype=dtype)
-        audio = [_with(kwargs, missing[0], c, axis, params, False) for c, axis in _candidates("input_values", seed, model, config)]
-        return _fitted(model, audio)
+        layouts = _candidates("input_values", seed, model, config)
+        return _fitted(model, [_with(kwargs, missing[0], c, axis, params) for c, axis in layouts])
     series = kwargs.get("past_values")
     bases = list(_series(series, config)) if isinstance(series, Tensor) else [None]
     trials: list[dict[str, Any]] = []
     for base in bases:
         for widths in itertools.islice(itertools.product(*(_other_widths(model, config, n) for n in missing)), 32):
             trial = dict(kwargs) if base is None else {**kwargs, "past_values": base}
-            trial.update({n: _side(n, base, w, device, dtype) for n, w in zip(missing, widths)})
+            trial.update({n: _side(n, base, w, device, dtype) for n, w in zip(missing, widths, strict=True)})
             if "attention_mask" in params and any(n in _DECISIONS for n in missing):
                 trial["attention_mask"] = torch.ones(BATCH, TOKENS, device=device, dtype=torch.long)
             trials.append(trial)
