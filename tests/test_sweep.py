@@ -124,7 +124,8 @@ def test_shrink_derives_again_what_a_config_derived_from_the_sizes_it_shrank(swe
     once: shrunk afterwards they pointed at layer 6 of 2 (KeyError: 1) and a 640-wide head of 128."""
     cfg = sweep.shrink(transformers.Zamba2Config())
     assert cfg.hybrid_layer_ids == [i for i, kind in enumerate(cfg.layers_block_type) if kind == "hybrid"]
-    assert cfg.hybrid_layer_ids and max(cfg.hybrid_layer_ids) < cfg.num_hidden_layers
+    assert cfg.hybrid_layer_ids
+    assert max(cfg.hybrid_layer_ids) < cfg.num_hidden_layers
     assert cfg.mamba_headdim * cfg.n_mamba_heads == cfg.mamba_expand * cfg.hidden_size
     assert cfg.attention_hidden_size == 2 * cfg.hidden_size
     row = sweep.check("zamba2", "Zamba2Model", seconds=120)
