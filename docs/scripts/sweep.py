@@ -56,13 +56,19 @@ _SIZES: dict[str, int] = {
 }  # fmt: skip
 
 
+def _stages(config: Any, key: str, old: int) -> bool:
+    """``key`` counts the stages a per-stage list describes (Muse Spark's audio pyramid): it is kept."""
+    sizes = getattr(config, "hidden_sizes", None)
+    return key == "num_hidden_layers" and isinstance(sizes, (list, tuple)) and len(sizes) == old
+
+
 def shrink(config: Any, depth: int = 0) -> Any:
     """Shrink a config in place (and its sub-configs): the sizes above where the config has them."""
     from transformers import PretrainedConfig
 
     for key, value in _SIZES.items():
         old = getattr(config, key, None)
-        if isinstance(old, int) and not isinstance(old, bool) and old > value:
+        if isinstance(old, int) and not isinstance(old, bool) and old > value and not _stages(config, key, old):
             with contextlib.suppress(AttributeError, TypeError, ValueError):
                 setattr(config, key, value)
     heads = getattr(config, "num_attention_heads", None)
@@ -152,7 +158,7 @@ def shallow(config: Any, depth: int = 0) -> Any:
 
     for key in _DEPTHS:
         old = getattr(config, key, None)
-        if isinstance(old, int) and not isinstance(old, bool) and old > 1:
+        if isinstance(old, int) and not isinstance(old, bool) and old > 1 and not _stages(config, key, old):
             with contextlib.suppress(AttributeError, TypeError, ValueError):
                 setattr(config, key, 1)
     layer_types = getattr(config, "layer_types", None)
