@@ -208,6 +208,8 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
         kwargs = fitted or kwargs
     if "past_observed_mask" in names and isinstance(kwargs.get("past_values"), Tensor):
         kwargs["past_observed_mask"] = torch.ones_like(kwargs["past_values"])
+    if "lang_ids" in params and getattr(config, "languages", None) and getattr(config, "default_language", 0) is None:
+        kwargs["lang_ids"] = torch.zeros(BATCH, device=device, dtype=torch.long)  # X-MOD: no default language
     if any(n in kwargs for n in AUDIO_INPUTS):
         kwargs = fitted_audio(model, kwargs, params)  # the layout, width and length the forward accepts
     return ((), kwargs) if kwargs else None
