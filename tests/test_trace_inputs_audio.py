@@ -52,8 +52,9 @@ def _tiny(sweep: ModuleType, model_type: str, class_name: str) -> nn.Module:
          {"states", "actions", "rewards", "returns_to_go", "timesteps", "attention_mask"}),
         ("timesfm", "TimesFmModel", {"past_values", "past_values_padding", "freq"}),
         ("speecht5", "SpeechT5Model", {"input_values", "decoder_input_values"}),
+        ("xmod", "XmodModel", {"input_ids", "lang_ids"}),  # no default language: one is given
     ],
-    ids=["chunked features", "decisions", "series", "speech to speech"],
+    ids=["chunked features", "decisions", "series", "speech to speech", "language adapters"],
 )  # fmt: skip
 def test_example_inputs_run_the_real_forward_and_trace(
     sweep: ModuleType, model_type: str, class_name: str, inputs: set[str]

@@ -187,6 +187,9 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
             kwargs[name] = _features(config, device, dtype, mel_first=first)
         elif build is not None:
             kwargs[name] = build(config, device, dtype)
+            codebooks = getattr(getattr(config, "decoder_config", None), "num_channels", None)
+            if name == "decoder_input_ids" and isinstance(codebooks, int):  # Dia: one id per codebook a step
+                kwargs[name] = kwargs[name][..., None].expand(-1, -1, codebooks).contiguous()
         elif name in ("input_features_mask", "audio_mel_mask", "feature_attention_mask"):
             source = kwargs.get(name.removesuffix("_mask"), kwargs.get("input_features"))
             if isinstance(source, Tensor):  # (batch, frames) of ones, frames where the features have them
