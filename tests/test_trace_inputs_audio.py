@@ -53,8 +53,9 @@ def _tiny(sweep: ModuleType, model_type: str, class_name: str) -> nn.Module:
         ("timesfm", "TimesFmModel", {"past_values", "past_values_padding", "freq"}),
         ("speecht5", "SpeechT5Model", {"input_values", "decoder_input_values"}),
         ("xmod", "XmodModel", {"input_ids", "lang_ids"}),  # no default language: one is given
+        ("sam3_lite_text_text_model", "Sam3LiteTextTextModel", {"input_ids"}),  # main input not in its forward
     ],
-    ids=["chunked features", "decisions", "series", "speech to speech", "language adapters"],
+    ids=["chunked features", "decisions", "series", "speech to speech", "language adapters", "text tower"],
 )  # fmt: skip
 def test_example_inputs_run_the_real_forward_and_trace(
     sweep: ModuleType, model_type: str, class_name: str, inputs: set[str]

@@ -164,6 +164,8 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
         kwargs["pixel_values"], kwargs[grid_name] = _patches(config, device, dtype)
         required = [n for n in required if n not in kwargs]
     names = [n for n in dict.fromkeys([*([main] if isinstance(main, str) else []), *required]) if n not in kwargs]
+    if isinstance(main, str) and main not in params and not required and "input_ids" in params:
+        names.append("input_ids")  # a main input the forward does not take (SAM 3 Lite's text tower): its text
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
         names.append("decoder_input_ids")
     image_tokens = any(hasattr(config, k) for k in ("image_token_id", "image_token_index", "image_token"))
