@@ -118,20 +118,14 @@ def _outcome(model: nn.Module, kwargs: dict[str, Any]) -> str:
     return "ok"
 
 
-def _fits(model: nn.Module, trials: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-    """The first trial the forward runs through, and the ones that got as far as reading a value."""
-    reached: list[dict[str, Any]] = []
-    for trial in trials:
+def _tried(model: nn.Module, trial: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """How the forward takes ``trial``, and the trial as taken (its masks made bool where it reads them as such)."""
+    outcome = _outcome(model, trial)
+    if outcome == "bool":  # the mask is read as a predicate: a bool mask
+        mask = {k: v.bool() for k, v in trial.items() if k.endswith(_MASKS) and isinstance(v, Tensor)}
+        trial = {**trial, **mask}
         outcome = _outcome(model, trial)
-        if outcome == "bool":  # the mask is read as a predicate: a bool mask
-            mask = {k: v.bool() for k, v in trial.items() if k.endswith(_MASKS) and isinstance(v, Tensor)}
-            trial = {**trial, **mask}
-            outcome = _outcome(model, trial)
-        if outcome == "ok":
-            return trial, reached
-        if outcome == "values":
-            reached.append(trial)
-    return None, reached
+    return outcome, trial
 
 
 def fitted_audio(model: nn.Module, kwargs: dict[str, Any], params: Any) -> dict[str, Any]:
@@ -163,17 +157,28 @@ def fitted_audio(model: nn.Module, kwargs: dict[str, Any], params: Any) -> dict[
 
 
 def _fitted(model: nn.Module, trials: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The first trial the forward accepts on a meta twin (on a real copy of a small model where it reads values)."""
+    """The first trial the forward accepts on a meta twin, else the first that got as far as reading a value.
+
+    Where the forward reads values and the model is small (and not on meta), such a trial is run at once on
+    a real copy: the first one that runs through there is taken.
+    """
     twin = meta_twin(model)
     twin.eval()
-    fitted, reached = _fits(twin, trials)
-    del twin
-    small = sum(p.numel() for p in model.parameters()) <= _REAL_PROBE
-    if fitted is None and reached and small and not _on_meta(model):
-        copied = copy.deepcopy(model)  # the forward reads values: the trials that got that far, on a real copy
-        copied.eval()
-        fitted = _fits(copied, reached)[0]
-    return fitted if fitted is not None else reached[0] if reached else None
+    small = sum(p.numel() for p in model.parameters()) <= _REAL_PROBE and not _on_meta(model)
+    copied: nn.Module | None = None
+    reached: dict[str, Any] | None = None
+    for trial in trials:
+        outcome, trial = _tried(twin, trial)
+        if outcome == "ok":
+            return trial
+        if outcome == "values" and small:
+            copied = copied if copied is not None else copy.deepcopy(model).eval()
+            real, trial = _tried(copied, trial)
+            if real == "ok":
+                return trial
+        elif outcome == "values" and reached is None:
+            reached = trial
+    return reached
 
 
 def wanted_audio(config: Any, params: Any, names: list[str]) -> str | None:
@@ -201,10 +206,10 @@ _LONGS = ("timesteps", "freq", "_ids")
 
 
 def _series(value: Tensor, config: Any) -> Iterator[Tensor]:
-    """A series as built, then ``(batch, length)`` with the length a multiple of the patch (TimesFM)."""
+    """A series as built, then ``(batch, length)``: up to 8 patches, no more than the context (TimesFM)."""
     yield value
     patch = int_of(config, "patch_length", "patch_len", "input_patch_len", default=1)
-    length = -(-int_of(config, "context_length", default=32) // patch) * patch
+    length = patch * max(1, min(int_of(config, "context_length", default=32) // patch, 8))
     yield torch.zeros(BATCH, length, device=value.device, dtype=value.dtype)
 
 
