@@ -8,6 +8,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 import transformers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,3 +131,12 @@ def test_shrink_derives_again_what_a_config_derived_from_the_sizes_it_shrank(swe
     assert cfg.attention_hidden_size == 2 * cfg.hidden_size
     row = sweep.check("zamba2", "Zamba2Model", seconds=120)
     assert row["traced"] > 0, row
+
+
+def test_shrink_keeps_a_size_tied_to_the_hidden_size_tied(sweep: ModuleType) -> None:
+    """WavTokenizer has no projection around its quantizer: its config refuses a codebook_dim that is not
+    its hidden size, so shrinking the hidden size alone left a config the model cannot be built from."""
+    cfg = sweep.shrink(transformers.WavTokenizerEncoderConfig())
+    assert cfg.codebook_dim == cfg.hidden_size == 64
+    with torch.device("meta"):
+        transformers.WavTokenizerEncoderModel(cfg)

@@ -66,11 +66,15 @@ def shrink(config: Any, depth: int = 0) -> Any:
     """Shrink a config in place (and its sub-configs): the sizes above where the config has them."""
     from transformers import PretrainedConfig
 
+    wide = getattr(config, "hidden_size", None)
     for key, value in _SIZES.items():
         old = getattr(config, key, None)
         if isinstance(old, int) and not isinstance(old, bool) and old > value and not _stages(config, key, old):
             with contextlib.suppress(AttributeError, TypeError, ValueError):
                 setattr(config, key, value)
+    if isinstance(wide, int) and getattr(config, "codebook_dim", None) == wide != config.hidden_size:
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            config.codebook_dim = config.hidden_size  # tied sizes stay tied (WavTokenizer: no projection between)
     heads = getattr(config, "num_attention_heads", None)
     hidden = getattr(config, "hidden_size", None)
     if (
