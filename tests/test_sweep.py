@@ -8,6 +8,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 import transformers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,3 +118,25 @@ def test_a_model_whose_tiny_config_disagrees_with_itself_is_traced_at_its_defaul
     assert row["disagree"] == [], row
     cfg = sweep.shallow(transformers.SwinConfig())
     assert cfg.depths == transformers.SwinConfig().depths  # only the layer counts it knows by name change
+
+
+def test_shrink_derives_again_what_a_config_derived_from_the_sizes_it_shrank(sweep: ModuleType) -> None:
+    """Zamba-2's config derives its attention width, Mamba head size and hybrid layer ids from its sizes
+    once: shrunk afterwards they pointed at layer 6 of 2 (KeyError: 1) and a 640-wide head of 128."""
+    cfg = sweep.shrink(transformers.Zamba2Config())
+    assert cfg.hybrid_layer_ids == [i for i, kind in enumerate(cfg.layers_block_type) if kind == "hybrid"]
+    assert cfg.hybrid_layer_ids
+    assert max(cfg.hybrid_layer_ids) < cfg.num_hidden_layers
+    assert cfg.mamba_headdim * cfg.n_mamba_heads == cfg.mamba_expand * cfg.hidden_size
+    assert cfg.attention_hidden_size == 2 * cfg.hidden_size
+    row = sweep.check("zamba2", "Zamba2Model", seconds=120)
+    assert row["traced"] > 0, row
+
+
+def test_shrink_keeps_a_size_tied_to_the_hidden_size_tied(sweep: ModuleType) -> None:
+    """WavTokenizer has no projection around its quantizer: its config refuses a codebook_dim that is not
+    its hidden size, so shrinking the hidden size alone left a config the model cannot be built from."""
+    cfg = sweep.shrink(transformers.WavTokenizerEncoderConfig())
+    assert cfg.codebook_dim == cfg.hidden_size == 64
+    with torch.device("meta"):
+        transformers.WavTokenizerEncoderModel(cfg)

@@ -42,7 +42,8 @@ from packedinit.trace.compare import disagreements
 from packedinit.trace.inputs import example_inputs
 
 _SIZES: dict[str, int] = {
-    "hidden_size": 64, "d_model": 64, "n_embd": 64, "dim": 64, "embed_dim": 64, "n_embed": 64, "d_embed": 64,
+    "hidden_size": 64, "hidden_size_global": 64, "d_model": 64, "n_embd": 64, "dim": 64, "embed_dim": 64,
+    "n_embed": 64, "d_embed": 64,
     "num_hidden_layers": 1, "num_layers": 1, "n_layer": 1, "n_layers": 1, "encoder_layers": 1,
     "decoder_layers": 1, "num_encoder_layers": 1, "num_decoder_layers": 1, "depth": 1,
     "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "encoder_attention_heads": 4,
@@ -77,6 +78,12 @@ def _first_stage_width(config: Any, width: object) -> bool:
     )
 
 
+def _stages(config: Any, key: str, old: int) -> bool:
+    """``key`` counts the stages a per-stage list describes (Muse Spark's audio pyramid): it is kept."""
+    sizes = getattr(config, "hidden_sizes", None)
+    return key == "num_hidden_layers" and isinstance(sizes, (list, tuple)) and len(sizes) == old
+
+
 def shrink(config: Any, depth: int = 0) -> Any:
     """Shrink a config in place (and its sub-configs): the sizes above where the config has them."""
     from transformers import PretrainedConfig
@@ -88,9 +95,12 @@ def shrink(config: Any, depth: int = 0) -> Any:
             continue  # a stage count (ConvNeXt: num_hidden_layers is num_stages): its stages are made shallow instead
         if key == "hidden_size" and _first_stage_width(config, old):
             continue  # the first stage's width (SAM 2's Hiera): kept, as the stage widths are
-        if isinstance(old, int) and not isinstance(old, bool) and old > value:
+        if isinstance(old, int) and not isinstance(old, bool) and old > value and not _stages(config, key, old):
             with contextlib.suppress(AttributeError, TypeError, ValueError):
                 setattr(config, key, value)
+    if isinstance(wide, int) and getattr(config, "codebook_dim", None) == wide != config.hidden_size:
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            config.codebook_dim = config.hidden_size  # tied sizes stay tied (WavTokenizer: no projection between)
     heads = getattr(config, "num_attention_heads", None)
     hidden = getattr(config, "hidden_size", None)
     for key in ("word_embed_proj_dim", "projection_size"):  # widths that were the hidden size stay it (OPT, SigLIP-2)
@@ -153,6 +163,17 @@ def shrink(config: Any, depth: int = 0) -> Any:
         with contextlib.suppress(AttributeError, TypeError, ValueError):
             config.mamba_n_heads = 4
             config.mamba_d_head = mamba_expand * hidden // 4
+    block_types = getattr(config, "layers_block_type", None)  # Zamba-2: what its __post_init__ derives, again
+    if isinstance(block_types, list) and isinstance(getattr(config, "hybrid_layer_ids", None), list):
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            config.hybrid_layer_ids = [i for i, kind in enumerate(block_types) if kind == "hybrid"]
+            if isinstance(hidden, int) and isinstance(getattr(config, "attention_hidden_size", None), int):
+                config.attention_hidden_size = 2 * hidden  # the attention reads the embeddings beside the state
+            if isinstance(mamba_heads := getattr(config, "n_mamba_heads", None), int) and isinstance(hidden, int):
+                config.mamba_headdim = int(getattr(config, "mamba_expand", 2) * hidden) // mamba_heads
+    if hasattr(config, "num_sliding_attention_heads") and getattr(config, "sliding_window", 0) is None:
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            config.sliding_window = 64  # Step-3.7 builds its sliding-window mask whatever its layer types
     rope = getattr(config, "rope_parameters", None)
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
     head_dim = getattr(config, "head_dim", None)
@@ -198,7 +219,7 @@ def shallow(config: Any, depth: int = 0) -> Any:
         old = getattr(config, key, None)
         if isinstance(old, int) and _per_stage(config, old):
             continue
-        if isinstance(old, int) and not isinstance(old, bool) and old > 1:
+        if isinstance(old, int) and not isinstance(old, bool) and old > 1 and not _stages(config, key, old):
             with contextlib.suppress(AttributeError, TypeError, ValueError):
                 setattr(config, key, 1)
     layer_types = getattr(config, "layer_types", None)
@@ -239,7 +260,7 @@ def _trace(row: dict[str, Any], model: Any) -> None:
     row["sources"] = _sources(found, claimed)
 
 
-_VALUES = ("meta tensor", "expected device meta", "no data!", "without output_size")
+_VALUES = ("meta tensor", "expected device meta", "not on the expected device", "no data!", "without output_size")
 _CPU_PARAMS = 400_000_000  # a default-width model built for real on the CPU: at most this many parameters
 
 

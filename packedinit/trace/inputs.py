@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from packedinit.trace.config_read import BATCH, TOKENS, Builder, Inputs, int_of, sub_config, where
+from packedinit.trace.inputs_audio import AUDIO_INPUTS, fitted_audio, fitted_other, wanted_audio
 from packedinit.trace.inputs_vision import image_hw, is_video, patch_images, pixels, prompt_images, vision_inputs
 
 __all__ = ["example_inputs"]
@@ -148,6 +149,7 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     required = [n for n, p in params.items() if p.default is inspect.Parameter.empty and p.kind in named]
     kwargs: dict[str, Any] = {}
+    missing: list[str] = []
     if "hidden_states" in required and "grid_thw" in required:
         kwargs["hidden_states"], kwargs["grid_thw"] = _patches(config, device, dtype)
         required = [n for n in required if n not in kwargs]
@@ -158,6 +160,8 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
         required = [n for n in required if n not in kwargs]
     kwargs.update((k, v) for k, v in vision_inputs(model, config, params, device, dtype).items() if k not in kwargs)
     names = [n for n in dict.fromkeys([*([main] if isinstance(main, str) else []), *required]) if n not in kwargs]
+    if isinstance(main, str) and main not in params and not required and "input_ids" in params:
+        names.append("input_ids")  # a main input the forward does not take (SAM 3 Lite's text tower): its text
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
         names.append("decoder_input_ids")
     image_tokens = any(hasattr(config, k) for k in ("image_token_id", "image_token_index", "image_token"))
@@ -166,6 +170,9 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
         names.append("pixel_values")  # a two-tower model (CLIP-like, ViLT) needs both of its inputs
     if "pixel_values" in names and "input_ids" in params and hasattr(config, "text_config") and not image_tokens:
         names.append("input_ids")  # an image model prompted by text (Kosmos-2, SAM 3)
+    audio = wanted_audio(config, params, names)
+    if audio is not None:
+        names.append(audio)  # a text-and-audio model needs both of its inputs (CLAP)
     for name in names:
         if name not in params or name in kwargs:
             continue
@@ -178,6 +185,9 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
             kwargs[name] = _features(config, device, dtype, mel_first=first)
         elif build is not None:
             kwargs[name] = build(config, device, dtype)
+            codebooks = getattr(getattr(config, "decoder_config", None), "num_channels", None)
+            if name == "decoder_input_ids" and isinstance(codebooks, int):  # Dia: one id per codebook a step
+                kwargs[name] = kwargs[name][..., None].expand(-1, -1, codebooks).contiguous()
         elif name in ("input_features_mask", "audio_mel_mask", "feature_attention_mask"):
             source = kwargs.get(name.removesuffix("_mask"), kwargs.get("input_features"))
             if isinstance(source, Tensor):  # (batch, frames) of ones, frames where the features have them
@@ -188,13 +198,22 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
             width = int_of(config, "hidden_size", "d_model", default=64)
             tokens = int_of(config, "num_query_tokens", default=TOKENS) if name == "query_embeds" else TOKENS
             kwargs[name] = torch.zeros(BATCH, tokens, width, device=device, dtype=dtype)
-        elif name in required:
-            return None  # a required input nobody here knows how to build
+        elif name in required or name == main:
+            missing.append(name)  # no builder knows it: fitted below
     prompt_images(config, params, kwargs, device)
-    if kwargs and "use_cache" in params:
+    if (kwargs or missing) and "use_cache" in params:
         kwargs["use_cache"] = False  # no cache to build (a hybrid model's cache can refuse a tiny config)
+    if missing or "past_values" in kwargs:
+        fitted = fitted_other(model, kwargs, missing, params)
+        if fitted is None and missing:
+            return None  # a required input nobody here knows how to build
+        kwargs = fitted or kwargs
     if "past_observed_mask" in names and isinstance(kwargs.get("past_values"), Tensor):
         kwargs["past_observed_mask"] = torch.ones_like(kwargs["past_values"])
+    if "lang_ids" in params and getattr(config, "languages", None) and getattr(config, "default_language", 0) is None:
+        kwargs["lang_ids"] = torch.zeros(BATCH, device=device, dtype=torch.long)  # X-MOD: no default language
+    if any(n in kwargs for n in AUDIO_INPUTS):
+        kwargs = fitted_audio(model, kwargs, params)  # the layout, width and length the forward accepts
     return ((), kwargs) if kwargs else None
 
 
