@@ -61,6 +61,14 @@ def _blip2() -> nn.Module:
     return transformers.Blip2Model(cfg)
 
 
+def _hunyuan_vision() -> nn.Module:
+    return transformers.HunYuanVLVisionTransformer(transformers.HunYuanVLVisionConfig(**SMALL))
+
+
+def _kimi_vision() -> nn.Module:
+    return transformers.Kimi_K25VisionModel(transformers.Kimi_K25VisionConfig(**SMALL))
+
+
 BUILDS: dict[str, Callable[[], nn.Module]] = {
     "siglip2 (patches and spatial_shapes)": _siglip2,
     "lxmert (visual_feats, visual_pos)": _lxmert,
@@ -68,6 +76,8 @@ BUILDS: dict[str, Callable[[], nn.Module]] = {
     "mgp-str (a 8 x 16 image)": _mgp_str,
     "gemma4 vision (pixel_position_ids)": _gemma4_vision,
     "blip-2 (image tokens in the prompt)": _blip2,
+    "hunyuan-vl vision (flat patches it reshapes itself)": _hunyuan_vision,
+    "kimi-k2.5 vision (patch images for its Conv2d)": _kimi_vision,
 }
 
 
@@ -94,6 +104,9 @@ def test_the_shapes_follow_the_config() -> None:
     assert kwargs["spatial_shapes"].prod(-1).tolist() == [patches] * kwargs["pixel_values"].shape[0]
     mgp = _mgp_str()
     assert tuple(example_inputs(mgp)[1]["pixel_values"].shape[-2:]) == tuple(mgp.config.image_size)  # type: ignore[index]
+    # a p x p Conv2d embeds both: Kimi's forward takes patch images, HunYuan-VL's the flat patches (tried on meta)
+    assert example_inputs(_kimi_vision())[1]["pixel_values"].dim() == 4  # type: ignore[index]
+    assert example_inputs(_hunyuan_vision())[1]["pixel_values"].dim() == 2  # type: ignore[index]
     blip = _blip2()
     ids = example_inputs(blip)[1]["input_ids"]  # type: ignore[index]
     assert ((ids == blip.config.image_token_index).sum(-1) == blip.config.num_query_tokens).all()

@@ -156,7 +156,7 @@ def _transformers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
     if "pixel_values" in required and ("grid_thw" in required or "image_grid_thw" in required):
         grid_name = "grid_thw" if "grid_thw" in required else "image_grid_thw"
         kwargs["pixel_values"], kwargs[grid_name] = _patches(config, device, dtype)
-        kwargs["pixel_values"] = patch_images(model, config, kwargs["pixel_values"])
+        kwargs = patch_images(model, config, kwargs)
         required = [n for n in required if n not in kwargs]
     kwargs.update((k, v) for k, v in vision_inputs(model, config, params, device, dtype).items() if k not in kwargs)
     names = [n for n in dict.fromkeys([*([main] if isinstance(main, str) else []), *required]) if n not in kwargs]

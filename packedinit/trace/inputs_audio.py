@@ -13,7 +13,6 @@ embeddings fed in.
 
 from __future__ import annotations
 
-import copy
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -22,13 +21,12 @@ import torch
 from torch import Tensor, nn
 
 from packedinit.trace.config_read import BATCH, TOKENS, int_of
-from packedinit.trace.twin import meta_twin, random_states_kept
+from packedinit.trace.trial import MASKS, first_fitting
 
 __all__ = ["AUDIO_INPUTS", "fitted_audio", "fitted_other", "wanted_audio"]
 
 #: The names a transformers forward gives its audio input.
 AUDIO_INPUTS = ("input_values", "input_features", "audio_mel")
-_MASKS = ("_mask", "_attention_mask")
 _SUBS = ("audio_config", "encoder_config", "speech_config", "asr_config", "acoustic_config", "audio_encoder_config")
 _WIDTHS = (
     "num_mel_bins", "input_feat_size", "feature_size", "input_dim", "input_size", "n_mels", "num_mels",
@@ -37,8 +35,6 @@ _WIDTHS = (
 _STACKS = ("num_stacked_frames", "stack_frames", "frame_stack", "context_size_frames")
 _SAMPLES = 15360  # 2**10 * 3 * 5: a multiple of every usual hop (256, 320, 480, 512, 960, 1920, 3840)
 _FRAMES = 200  # a multiple of the usual chunks (8, 40, 50, 100)
-_REAL_PROBE = 20_000_000  # a model this small is tried for real where its forward reads values
-_VALUES = ("meta tensor", "expected device meta", "not on the expected device", "no data!", "without output_size")
 
 
 def _configs(config: Any) -> list[Any]:
@@ -95,37 +91,10 @@ def _with(kwargs: dict[str, Any], name: str, value: Tensor, axis: int, params: A
     out[name] = value
     if "decoder_" + name in params:  # an encoder-decoder fed the same kind on both sides (SpeechT5)
         out["decoder_" + name] = value
-    for mask in (name + suffix for suffix in _MASKS):  # its mask follows it (ones over its frames)
+    for mask in (name + suffix for suffix in MASKS):  # its mask follows it (ones over its frames)
         if mask in params:
             out[mask] = torch.ones(BATCH, value.shape[axis], device=value.device, dtype=torch.long)
     return out
-
-
-def _on_meta(model: nn.Module) -> bool:
-    return any(p.is_meta for p in model.parameters())
-
-
-def _outcome(model: nn.Module, kwargs: dict[str, Any]) -> str:
-    """``"ok"``, ``"values"`` (it got as far as reading a value, which meta cannot give), ``"bool"`` or ``"no"``."""
-    meta = _on_meta(model)
-    given = {k: torch.empty_like(v, device="meta") if isinstance(v, Tensor) and meta else v for k, v in kwargs.items()}
-    try:
-        with random_states_kept(), torch.no_grad():
-            model(**given)
-    except Exception as e:
-        text = str(e)
-        return "values" if any(k in text for k in _VALUES) else "bool" if "bool" in text else "no"
-    return "ok"
-
-
-def _tried(model: nn.Module, trial: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """How the forward takes ``trial``, and the trial as taken (its masks made bool where it reads them as such)."""
-    outcome = _outcome(model, trial)
-    if outcome == "bool":  # the mask is read as a predicate: a bool mask
-        mask = {k: v.bool() for k, v in trial.items() if k.endswith(_MASKS) and isinstance(v, Tensor)}
-        trial = {**trial, **mask}
-        outcome = _outcome(model, trial)
-    return outcome, trial
 
 
 def fitted_audio(model: nn.Module, kwargs: dict[str, Any], params: Any) -> dict[str, Any]:
@@ -153,32 +122,7 @@ def fitted_audio(model: nn.Module, kwargs: dict[str, Any], params: Any) -> dict[
     raw = kwargs.get("input_values") if name != "input_values" else None
     built = _candidates(name, kwargs[name], model, config, raw)
     trials = [_with(kwargs, name, c, axis, params) for c, axis in built]
-    return _fitted(model, trials) or kwargs
-
-
-def _fitted(model: nn.Module, trials: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The first trial the forward accepts on a meta twin, else the first that got as far as reading a value.
-
-    Where the forward reads values and the model is small (and not on meta), such a trial is run at once on
-    a real copy: the first one that runs through there is taken.
-    """
-    twin = meta_twin(model)
-    twin.eval()
-    small = sum(p.numel() for p in model.parameters()) <= _REAL_PROBE and not _on_meta(model)
-    copied: nn.Module | None = None
-    reached: dict[str, Any] | None = None
-    for trial in trials:
-        outcome, trial = _tried(twin, trial)
-        if outcome == "ok":
-            return trial
-        if outcome == "values" and small:
-            copied = copied if copied is not None else copy.deepcopy(model).eval()
-            real, trial = _tried(copied, trial)
-            if real == "ok":
-                return trial
-        elif outcome == "values" and reached is None:
-            reached = trial
-    return reached
+    return first_fitting(model, trials) or kwargs
 
 
 def wanted_audio(config: Any, params: Any, names: list[str]) -> str | None:
@@ -265,7 +209,7 @@ def fitted_other(model: nn.Module, kwargs: dict[str, Any], missing: list[str], p
     if main in AUDIO_INPUTS and len(missing) == 1:  # audio under another name (VibeVoice's hidden_states)
         seed = torch.zeros(BATCH, _SAMPLES, device=device, dtype=dtype)
         layouts = _candidates("input_values", seed, model, config)
-        return _fitted(model, [_with(kwargs, missing[0], c, axis, params) for c, axis in layouts])
+        return first_fitting(model, [_with(kwargs, missing[0], c, axis, params) for c, axis in layouts])
     series = kwargs.get("past_values")
     bases = list(_series(series, config)) if isinstance(series, Tensor) else [None]
     trials: list[dict[str, Any]] = []
@@ -276,4 +220,4 @@ def fitted_other(model: nn.Module, kwargs: dict[str, Any], missing: list[str], p
             if "attention_mask" in params and any(n in _DECISIONS for n in missing):
                 trial["attention_mask"] = torch.ones(BATCH, TOKENS, device=device, dtype=torch.long)
             trials.append(trial)
-    return _fitted(model, trials)
+    return first_fitting(model, trials)

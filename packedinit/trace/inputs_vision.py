@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from packedinit.trace.config_read import BATCH, TOKENS, image_size, int_of, sub_config
+from packedinit.trace.trial import first_fitting
 
 __all__ = ["image_hw", "is_video", "patch_images", "pixels", "prompt_images", "vision_inputs"]
 
@@ -65,18 +66,24 @@ def is_video(config: Any) -> bool:
     return not image_token and any(hasattr(config, k) for k in ("video_token_index", "video_token_id"))
 
 
-def patch_images(model: nn.Module, config: Any, patches: Tensor) -> Tensor:
+def patch_images(model: nn.Module, config: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Flattened patches ``(N, C * p * p)`` as ``(N, C, p, p)`` where a 2-D convolution embeds each (Kimi-K2.5).
 
-    Kept flat where the model embeds them flat (a ``Linear`` of that width) or as clips (a ``Conv3d``).
+    Kept flat where the model embeds them flat (a ``Linear`` of that width) or as clips (a ``Conv3d``). Where
+    a ``p x p`` ``Conv2d`` could read either (HunYuan-VL reshapes the flat patches itself), both are tried on
+    a meta twin and the first the forward accepts is kept, the patch images first.
     """
+    patches = kwargs["pixel_values"]
     vision = sub_config(config, "vision_config")
     p, channels = int_of(vision, "patch_size", default=14), int_of(vision, "num_channels", "in_channels", default=3)
     width = patches.shape[-1]
     kinds = list(model.modules())
     flat = any(isinstance(m, nn.Conv3d) or (isinstance(m, nn.Linear) and m.in_features == width) for m in kinds)
     conv = any(isinstance(m, nn.Conv2d) and m.kernel_size == (p, p) and m.in_channels * p * p == width for m in kinds)
-    return patches.view(-1, width // (p * p), p, p) if conv and not flat and width == channels * p * p else patches
+    if not conv or flat or width != channels * p * p:
+        return kwargs
+    images = {**kwargs, "pixel_values": patches.view(-1, width // (p * p), p, p)}
+    return first_fitting(model, [images, kwargs]) or kwargs
 
 
 def _grid(side: int, device: torch.device) -> Tensor:
