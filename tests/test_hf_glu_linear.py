@@ -132,6 +132,36 @@ def test_chunked_xavier_gives_each_half_its_own_fans(
             half = out // 2
             oracle = math.sqrt(2.0 / (half + fan_in))  # xavier_uniform_ on (half, in): a / sqrt(3), gain 1
             whole = math.sqrt(2.0 / (out + fan_in))
-            assert abs(whole / oracle - 1) > 0.15 # the widths tell per-half fans from the packed ones
+            assert abs(whole / oracle - 1) > 0.15  # the widths tell per-half fans from the packed ones
             for block in m.split(half, dim=0):
                 assert float(block.std()) == pytest.approx(oracle, rel=0.12), name
+
+
+def test_moshi_codebook_stack_is_cut_per_codebook_as_its_forward_reads_it() -> None:
+    # moshi/modeling_moshi.py:359,363-367: a MoshiFlexibleLinear fc1 (codebooks, 2I, E), one matrix per codebook;
+    # h.view(b, s, 2, -1): act(h[..., 0, :]) * h[..., 1, :]. The tracer cannot see through its matmul (opaque),
+    # so the forward is read directly: doubling the "up" block of codebook 0 doubles that codebook's output only
+    # (act(gate) * up is linear in up, not in gate; fc2 has no bias).
+    from transformers.models.moshi.modeling_moshi import MoshiGatingMLP
+
+    cfg = transformers.MoshiConfig(
+        vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=2, ffn_dim=256, num_codebooks=2,
+        audio_vocab_size=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    mlp = MoshiGatingMLP(cfg, use_flexible_linear=True)
+    layout = packedinit.layouts(mlp)["fc1.weight"]
+    assert (layout.dim, layout.sizes, layout.batch_dims, layout.names) == (1, (128, 128), 1, GU)
+    with pytest.warns(packedinit.LayoutWarning, match="'fc2.weight'"):  # the fc2 stack: one block per codebook
+        packedinit.chunked(torch.nn.init.xavier_uniform_)(mlp)
+    w = mlp.fc1.weight.detach()
+    for codebook in w:
+        for block in codebook.split(128, dim=0):
+            assert float(block.std()) == pytest.approx(math.sqrt(2.0 / (128 + 64)), rel=0.12)
+    x = torch.randn(3, 2, 64)
+    with torch.no_grad():
+        before = mlp(x)
+        mlp.fc1.weight[0, layout.sizes[0] :] *= 2.0  # the second block of codebook 0: "up"
+        after = mlp(x)
+    torch.testing.assert_close(after[:, 0], 2.0 * before[:, 0])
+    torch.testing.assert_close(after[:, 1], before[:, 1])
