@@ -24,11 +24,12 @@ from packedinit.adapters.hf_common import M, fit, int_attr, qkv, tensor
 from packedinit.adapters.hf_experts import experts_layouts  # registers the experts classes too
 from packedinit.adapters.hf_fused_qkv import gated_query_layouts, vision_qkv_layouts  # and these fused layers
 from packedinit.adapters.hf_glu import glu_conv_layouts  # and the GLU-fed convolutions
+from packedinit.adapters.hf_glu_linear import halves_layouts  # and the Linear layers cut in two halves
 from packedinit.errors import PackedInitError
 from packedinit.layout import Layout
 from packedinit.model.registry import register
 
-__all__ = ["experts_layouts", "gated_query_layouts", "glu_conv_layouts", "vision_qkv_layouts"]
+__all__ = ["experts_layouts", "gated_query_layouts", "glu_conv_layouts", "halves_layouts", "vision_qkv_layouts"]
 
 # -- GPT-2, OpenAI GPT, ImageGPT, Decision Transformer: Conv1D stores (in, out) ----------------------------
 #
