@@ -353,6 +353,12 @@ def own_layouts(module: nn.Module, ancestors: Sequence[nn.Module]) -> dict[int, 
     (which may describe a descendant's parameters). Only claimed parameters appear.
     """
     ensure_builtins()
+    if not has_annotations(module) and lookup(type(module)) is None:  # the common case, without building lists
+        for m in ancestors:
+            if lookup(type(m)) is not None:
+                break
+        else:
+            return {}
     sources = [
         (i, m)
         for i, m in enumerate((module, *ancestors))
