@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -133,9 +134,11 @@ def test_shrink_derives_again_what_a_config_derived_from_the_sizes_it_shrank(swe
     assert row["traced"] > 0, row
 
 
-def test_shrink_keeps_a_size_tied_to_the_hidden_size_tied(sweep: ModuleType) -> None:
+def test_shrink_keeps_a_size_tied_to_the_hidden_size_tied(sweep: ModuleType, ships: Callable[[str], bool]) -> None:
     """WavTokenizer has no projection around its quantizer: its config refuses a codebook_dim that is not
     its hidden size, so shrinking the hidden size alone left a config the model cannot be built from."""
+    if not ships("transformers.models.wavtokenizer"):
+        pytest.skip("this transformers has no WavTokenizer yet (checked on 5.24: tests/conftest.py)")
     cfg = sweep.shrink(transformers.WavTokenizerEncoderConfig())
     assert cfg.codebook_dim == cfg.hidden_size == 64
     with torch.device("meta"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -70,7 +71,9 @@ def test_example_inputs_run_the_real_forward_and_trace(
     assert infer_layouts(model, *args, **kwargs)
 
 
-def test_raw_audio_gets_the_channel_dim_its_convolution_reads(sweep: ModuleType) -> None:
+def test_raw_audio_gets_the_channel_dim_its_convolution_reads(sweep: ModuleType, ships: Callable[[str], bool]) -> None:
+    if not ships("transformers.models.omniasr"):
+        pytest.skip("this transformers has no OmniASR yet (checked on 5.24: tests/conftest.py)")
     model = _tiny(sweep, "omniasr_audio", "OmniASRAudioModel")
     built = example_inputs(model)
     assert built is not None
