@@ -55,6 +55,18 @@ def _stages(config: Any, key: str, old: int) -> bool:
     return key == "num_hidden_layers" and isinstance(sizes, (list, tuple)) and len(sizes) == old
 
 
+def _one_layer_per_type(config: Any) -> None:
+    """A hybrid stack keeps one layer of each of its first two kinds (``layer_types``), its depth to match."""
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, list) and len(layer_types) > 1:
+        kept = list(dict.fromkeys(layer_types))[:2]
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            config.layer_types = kept
+            for key in ("num_hidden_layers", "num_layers"):
+                if hasattr(config, key):
+                    setattr(config, key, len(kept))
+
+
 def shrink(config: Any, depth: int = 0) -> Any:
     """Shrink a config in place (and its sub-configs): the sizes above where the config has them."""
     from transformers import PretrainedConfig
@@ -117,14 +129,7 @@ def shrink(config: Any, depth: int = 0) -> Any:
         if key in vars(config) and hasattr(config, "num_query_tokens"):
             with contextlib.suppress(AttributeError, TypeError, ValueError):
                 setattr(config, key, SIZES["vocab_size"] - 1)
-    layer_types = getattr(config, "layer_types", None)
-    if isinstance(layer_types, list) and len(layer_types) > 1:
-        kept = list(dict.fromkeys(layer_types))[:2]
-        with contextlib.suppress(AttributeError, TypeError, ValueError):
-            config.layer_types = kept
-            for key in ("num_hidden_layers", "num_layers"):
-                if hasattr(config, key):
-                    setattr(config, key, len(kept))
+    _one_layer_per_type(config)
     rotary = getattr(config, "rotary_dim", None)  # GPT-J, CodeGen: the rotary part fits in a head
     if isinstance(rotary, int) and isinstance(hidden, int) and isinstance(heads, int) and rotary > hidden // heads:
         with contextlib.suppress(AttributeError, TypeError, ValueError):
@@ -193,14 +198,7 @@ def shallow(config: Any, depth: int = 0) -> Any:
         if isinstance(old, int) and not isinstance(old, bool) and old > 1 and not _stages(config, key, old):
             with contextlib.suppress(AttributeError, TypeError, ValueError):
                 setattr(config, key, 1)
-    layer_types = getattr(config, "layer_types", None)
-    if isinstance(layer_types, list) and len(layer_types) > 1:
-        kept = list(dict.fromkeys(layer_types))[:2]
-        with contextlib.suppress(AttributeError, TypeError, ValueError):
-            config.layer_types = kept
-            for key in ("num_hidden_layers", "num_layers"):
-                if hasattr(config, key):
-                    setattr(config, key, len(kept))
+    _one_layer_per_type(config)
     if depth < 3:
         for value in list(vars(config).values()):
             if isinstance(value, PretrainedConfig):
