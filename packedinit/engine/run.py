@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -33,7 +35,7 @@ def run(req: Request, scratch: Scratch | None = None) -> None:
     """
     if compiling():  # inside torch.compile: per-block calls Dynamo traces, else the eager engine (one break)
         if not traced_blocks(req):
-            _eager_run(req, scratch)
+            _eager()(req, scratch)
         return
     tensor, fn = req.tensor, req.init_fn
     key = None
@@ -91,5 +93,15 @@ def _replay(prog: _Runs | Plan, tensor: Tensor, gen: torch.Generator | None, scr
         set_grad_enabled(grad)
 
 
-#: :func:`run` outside Dynamo's trace: the engine's Python planning cannot be put in a graph.
-_eager_run = torch.compiler.disable(run, recursive=True)  # type: ignore[no-untyped-call]  # torch leaves it untyped
+_EAGER: list[Callable[[Request, Scratch | None], None]] = []
+
+
+def _eager() -> Callable[[Request, Scratch | None], None]:
+    """:func:`run` outside Dynamo's trace: the engine's Python planning cannot be put in a graph.
+
+    Made on first use (only ever under ``torch.compile``, which has imported Dynamo): wrapping it at
+    import would import Dynamo (~1 s, some 10^5 objects the garbage collector then walks) for everyone.
+    """
+    if not _EAGER:
+        _EAGER.append(torch.compiler.disable(run, recursive=True))  # type: ignore[no-untyped-call]  # torch leaves it untyped
+    return _EAGER[0]
