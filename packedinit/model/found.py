@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from packedinit.errors import LayoutWarning
 from packedinit.layout import Layout
+from packedinit.model.changes import bump
 from packedinit.model.looks import annotate_line, axis_fix, may_look_packed, name_guess
 from packedinit.model.marks import annotations_of
 from packedinit.shapes import fmt_shape
@@ -41,6 +42,7 @@ __all__ = [
     "end_pass",
     "merge",
     "same",
+    "quiet",
 ]
 
 
@@ -88,6 +90,14 @@ class _Seen:
 _cache: weakref.WeakKeyDictionary[nn.Module, _Seen] = weakref.WeakKeyDictionary()
 
 
+def quiet(root: nn.Module) -> bool:
+    """Whether nothing in ``root``'s tree needs the forward on the ``model.apply`` path (no weight the forward
+    shows packed or cannot follow, none that looks packed): what :func:`own_forward` then adds is nothing."""
+    with _lock:
+        seen = _cache.get(root)
+    return seen is not None and seen.index is not None and not seen.named
+
+
 def set_tracer(tracer: Tracer, same_blocks: Same) -> None:
     """Install the forward tracer and the layout comparison (``packedinit`` does this on import)."""
     global _tracer, _same
@@ -114,6 +124,7 @@ def remember(model: nn.Module, found: Mapping[str, Finding] | None) -> None:
     with _lock:
         _cache[model] = _Seen(found)
         _last.clear()
+        bump()
 
 
 def forget(model: nn.Module) -> None:
@@ -121,6 +132,7 @@ def forget(model: nn.Module) -> None:
     with _lock:
         _cache.pop(model, None)
         _last.clear()
+        bump()
 
 
 def findings(model: nn.Module) -> Mapping[str, Finding] | None:
@@ -146,6 +158,8 @@ def _index(root: nn.Module, seen: _Seen) -> dict[int, _Entry]:
         keep = (hit is not None and hit.verdict == "packed") or guess is not None
         index[id(p)] = (weakref.ref(p), name, hit, guess) if keep else (weakref.ref(p), None, None, None)
     seen.index, seen.named = index, any(e[1] is not None for e in index.values())
+    with _lock:
+        bump()
     return index
 
 
@@ -162,6 +176,7 @@ def _seen(model: nn.Module) -> _Seen:
         findings(model)
         with _lock:
             seen = _cache.setdefault(model, _Seen(None))
+            bump()
     _last[:] = [(weakref.ref(model), seen)]
     return seen
 
@@ -316,6 +331,9 @@ def merge(
         if disagree or unlaid:
             raise _LoudError
         return out
+    if disagree or unlaid:
+        with _lock:
+            bump()  # a decision kept from this call would not warn again (see packedinit.model.kept)
     if disagree:
         warnings.warn(
             f"{idiom}: the adapters and the forward disagree on {len(disagree)} weight(s): {'; '.join(disagree)}. "

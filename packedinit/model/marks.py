@@ -24,6 +24,7 @@ from torch.nn.utils.parametrize import ParametrizationList
 
 from packedinit.errors import PackedInitError
 from packedinit.layout import Layout, fmt_shape
+from packedinit.model.changes import bump
 from packedinit.torch_compat import param_dict
 
 __all__ = ["ANNOTATIONS", "MARK", "stamp", "annotations_of", "param_layout", "param_claim", "has_annotations"]
@@ -112,6 +113,7 @@ def stamp(owner: nn.Module, new: Mapping[str, Layout | None]) -> None:
     old: Mapping[str, Layout | None] = owner.__dict__.get(ANNOTATIONS) or {}
     _register(owner)  # first: a lookup that sees the new record also finds its owner
     owner.__dict__[ANNOTATIONS] = _Annotations({**old, **new}, owner)
+    bump()  # a decision kept by packedinit.model.kept may have read the old record
 
 
 def annotations_of(module: nn.Module) -> Mapping[str, Layout | None]:

@@ -31,6 +31,7 @@ __all__ = [
     "register",
     "unregister",
     "registered",
+    "snapshot",
     "lookup",
     "class_path",
     "key_name",
@@ -47,9 +48,8 @@ Key: TypeAlias = type[nn.Module] | str
 Mod = TypeVar("Mod", bound=nn.Module)
 
 
-
 # -- the table ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: a new one is a change
 class _Table:
     """An immutable snapshot of the registry; every change builds a new one (copy on write)."""
 
@@ -121,8 +121,7 @@ def _check_key(key: object) -> Key:
     if isinstance(key, type) and issubclass(key, nn.Module):
         return key
     raise PackedInitError(
-        f"register({key!r}): the key must be an nn.Module subclass or a class path string, "
-        f"got {type(key).__name__}."
+        f"register({key!r}): the key must be an nn.Module subclass or a class path string, got {type(key).__name__}."
     )
 
 
@@ -244,6 +243,15 @@ def unregister(key: Key) -> Adapter | None:
             removed = types.pop(checked)
             _table = _table_of(types, t.paths)
         return removed
+
+
+def snapshot() -> object:
+    """The registry as it is now: an object that every register/unregister (and the built-ins' load) replaces.
+
+    Two calls return the same object exactly when no adapter was registered or removed in between
+    (what :mod:`packedinit.model.kept` compares before it re-uses a decision).
+    """
+    return _table
 
 
 def registered() -> Mapping[Key, Adapter]:
