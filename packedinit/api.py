@@ -24,8 +24,10 @@ from packedinit.engine.traits import base, fn_name, hashable_in
 from packedinit.errors import PackedInitError, PackedInitTypeError
 from packedinit.layout import Layout, fmt_shape, is_int
 from packedinit.model.held import init_held
+from packedinit.model.kept import apply_kept
 from packedinit.model.marks import param_claim
-from packedinit.model.walk import apply_ancestors, module_call
+from packedinit.model.walk import module_call
+from packedinit.torch_compat import apply_ancestors as frames_from_apply
 
 __all__ = ["chunked_init", "chunked", "ChunkedInit"]
 
@@ -215,7 +217,6 @@ def chunked_init(
     return tensor
 
 
-
 class ChunkedInit(Protocol[P]):
     """What :func:`chunked` returns: the init function's own signature, for tensors and modules."""
 
@@ -302,7 +303,9 @@ def chunked(
         if isinstance(target, nn.Module):  # first: model.apply(chunked(f)) comes here once per submodule
             # `model.apply(chunked(f))` calls us once per submodule: then each call owns only
             # the module's own parameters (see walk.apply_ancestors); a direct call owns the whole tree.
-            module_call(target, init_fn, chunks, dim, args, kwargs, ancestors=apply_ancestors(target))
+            ancestors = frames_from_apply(target)
+            if ancestors is None or not unset or not apply_kept(target, ancestors, init_fn, args, kwargs):
+                module_call(target, init_fn, chunks, dim, args, kwargs, ancestors=ancestors)
             return None
         if unset and isinstance(target, nn.Parameter):
             layout, holder = param_claim(target)  # annotated by packedinit.annotate: per block

@@ -9,7 +9,7 @@ and the whole-model walk), so a tensor gets the same numbers whichever way it is
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import torch
@@ -33,7 +33,7 @@ from packedinit.engine.traits import (
 from packedinit.layout import Layout
 from packedinit.shapes import fmt_shape
 
-__all__ = ["GENERAL", "SKIP", "TORCH", "USER", "PLAIN_TYPES", "route", "call", "whole", "lean_call"]
+__all__ = ["GENERAL", "SKIP", "TORCH", "USER", "PLAIN_TYPES", "route", "call", "whole", "lean_call", "lean_calls"]
 
 _init = TORCH_INIT  # torch's own functions, also while fix_torch_defaults replaces torch.nn.init's names
 #: Tensor types the lean path (and the local engine's geometry) takes as they are.
@@ -160,6 +160,26 @@ def lean_call(
     except Exception as e:
         if not _lean_failed(Request(tensor, None, None, fn, args, kwargs, param), fn, e):
             raise
+
+
+def lean_calls(
+    todo: Sequence[tuple[Tensor, str | None]],
+    fn: Callable[..., Tensor],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+) -> None:
+    """:func:`lean_call` on each tensor, for a caller that checked what it checks first.
+
+    The caller has made sure that ``torch.compile`` is not tracing and that no tensor is an
+    inference tensor outside inference mode (:mod:`packedinit.model.kept` compares both before
+    it re-uses a decision); rejections become PackedInitError as in :func:`lean_call`.
+    """
+    for tensor, param in todo:
+        try:
+            fn(tensor, *args, **kwargs)
+        except Exception as e:
+            if not _lean_failed(Request(tensor, None, None, fn, args, kwargs, param), fn, e):
+                raise
 
 
 def _user_call(

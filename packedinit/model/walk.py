@@ -31,8 +31,9 @@ from packedinit.layout import Layout
 from packedinit.model.claims import own_layouts, resolve
 from packedinit.model.found import end_pass, own_forward
 from packedinit.model.held import through_parametrizations, write_entries
+from packedinit.model.kept import keep_apply, keep_tree, tree_kept, world
 from packedinit.model.keywords import FILTERS, check_keywords
-from packedinit.model.steps import CHECKED, call_key, tensor_key
+from packedinit.model.steps import CHECKED, call_key, plan_steps, run_steps, tensor_key
 from packedinit.torch_compat import apply_ancestors as frames_from_apply
 from packedinit.torch_compat import param_dict
 
@@ -53,9 +54,24 @@ def init_tree(
     kwargs: Mapping[str, Any],
 ) -> None:
     """Every distinct parameter with ``dim >= 2`` of ``model``, packed ones per block; all checked first."""
-    found = resolve(model, f"chunked({fn_name(init_fn)})(model)", loud=reads_fans(init_fn))
+    whole_tree(model, f"chunked({fn_name(init_fn)})(model)", init_fn, args, kwargs)
+
+
+def whole_tree(
+    model: nn.Module, idiom: str, init_fn: Callable[..., Tensor], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> None:
+    """:func:`init_tree` under the idiom's name; a decision kept from an equal call first (:mod:`.kept`)."""
+    if tree_kept(model, init_fn, args, kwargs):
+        return
+    was = world()
+    found = resolve(model, idiom, loud=reads_fans(init_fn))
     entries, swaps = through_parametrizations(model.modules(), found, init_fn)
-    write_entries(entries, swaps, init_fn, args, kwargs)
+    if swaps:
+        write_entries(entries, swaps, init_fn, args, kwargs)
+        return
+    steps = plan_steps(entries, init_fn, args, kwargs)
+    run_steps(steps)
+    keep_tree(model, call_key(init_fn, args, kwargs), was, entries, steps)
 
 
 def apply_ancestors(module: nn.Module, depth: int = 1) -> list[nn.Module] | None:
@@ -82,6 +98,7 @@ def _init_own(
         if not ancestors:
             end_pass(module)
         return
+    was = world()
     lays = own_forward(
         ancestors[-1] if ancestors else module, own, own_layouts(module, ancestors), module, init_fn, _apply_say
     )
@@ -91,9 +108,12 @@ def _init_own(
         mode = torch.is_inference_mode_enabled()
         hows = [CHECKED.get(tensor_key(p, head, mode) or ()) for _, p in own]
         if None not in hows:
-            for (n, p), how in zip(own, hows, strict=True):
+            labels = {id(p): f"{prefix}.{n}" for n, p in own}
+            for (_, p), how in zip(own, hows, strict=True):
                 assert how is not None  # checked just above, before the first write
-                call(how, p, init_fn, args, kwargs, f"{prefix}.{n}")
+                call(how, p, init_fn, args, kwargs, labels[id(p)])
+            kept = {id(p): h for (_, p), h in zip(own, hows, strict=True) if h is not None}
+            keep_apply(module, ancestors, head, was, kept, labels)
             return
     entries, swaps = through_parametrizations(
         (module,), [(f"{prefix}.{n}", p, lays.get(id(p))) for n, p in own], init_fn
@@ -257,7 +277,8 @@ def init_model(
             )
         entries = kept
     else:
-        entries = resolve(model, idiom, loud=reads_fans(init_fn))
+        whole_tree(model, idiom, init_fn, args, kwargs)
+        return model
     entries, swaps = through_parametrizations(model.modules(), entries, init_fn)
     write_entries(entries, swaps, init_fn, args, kwargs)
     return model

@@ -1,0 +1,242 @@
+"""Decisions of the lean path kept for the next equal call: ``model.apply`` visits, and whole models nothing describes.
+
+A whole-model call resolves every parameter (adapters, annotations, the forward, what looks
+packed) and checks every tensor before it writes; ``model.apply(chunked(f))`` does it once per
+module. Where the answer was "nothing here is packed, and every tensor passed the checks an equal
+one passed" (the lean path: torch's own function on each whole tensor), it is kept, and the next
+call with the same function and arguments on the same modules re-uses it after comparing, before
+the first write, everything the answer was read from:
+
+- what is known about layouts anywhere: the adapter registry, the annotations, what the forward
+  showed (one register/unregister, ``annotate``, trace or ``forget`` anywhere makes every kept
+  decision stale);
+- the call: the init function and its plain-valued arguments, inference mode;
+- every module (held weakly: a kept decision keeps nothing alive): the same object and type, the
+  same children (names and objects) and parameters (names and objects); for ``model.apply`` the
+  same root and the same types above the module;
+- every parameter written: the same type, layout, shape, strides, dtype, device and inference
+  flag; every other one still under two dims.
+
+Only decisions in which no adapter and no annotation took part are kept (an adapter may read
+module attributes that nothing here compares), and none whose resolution warned (the next call
+warns again). The tensors are then handed to torch's function exactly as the full path hands them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeAlias
+
+import torch
+from torch import Tensor, nn
+
+from packedinit.engine.lean import TORCH, lean_calls
+from packedinit.model import found, marks, registry
+from packedinit.model.changes import NOW
+from packedinit.model.steps import call_key
+from packedinit.torch_compat import module_dict, param_dict
+
+__all__ = ["world", "apply_kept", "keep_apply", "tree_kept", "keep_tree"]
+
+_MAX = 1 << 16  # kept module decisions; all dropped when full
+_Meta: TypeAlias = tuple[object, ...]
+#: a parameter of a kept module: (name, weakref or None, meta or None, route, label); meta None: not written
+_Own: TypeAlias = "tuple[str, weakref.ref[Tensor] | None, _Meta | None, int, str]"
+#: a kept module decision: (module, type, ancestors' types, root, call key, inference mode, world, parameters)
+_Visit: TypeAlias = "tuple[weakref.ref[nn.Module], type, tuple[type, ...], weakref.ref[nn.Module], tuple[object, ...], bool, tuple[object, ...], tuple[_Own, ...]]"  # noqa: E501
+#: a module of a kept tree: (module, type, child names, child ids, parameter names, parameter refs, low-dim flags)
+_Node: TypeAlias = "tuple[weakref.ref[nn.Module], type, tuple[str, ...], tuple[int, ...], tuple[str, ...], tuple[weakref.ref[Tensor] | None, ...], tuple[bool, ...]]"  # noqa: E501
+#: a write of a kept tree: (parameter, meta, route, name)
+_Write: TypeAlias = "tuple[weakref.ref[Tensor], _Meta, int, str | None]"
+
+_APPLY: dict[int, _Visit] = {}
+_TRIED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[object, ...], tuple[object, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+_TREE: weakref.WeakKeyDictionary[
+    nn.Module, tuple[tuple[object, ...], bool, tuple[object, ...], tuple[_Node, ...], tuple[_Write, ...]]
+] = weakref.WeakKeyDictionary()
+
+
+def world() -> tuple[object, int]:
+    """What every kept decision was read from beyond its modules: the registry, the annotations, the forward."""
+    return (registry.snapshot(), NOW[0])
+
+
+def _meta(p: Tensor) -> _Meta:
+    # (the object is compared first, so its type; a Parameter's data cannot become sparse)
+    return (p.shape, p.stride(), p.dtype, p.device, p.is_inference())
+
+
+def _refused(p: Tensor, mode: bool) -> bool:
+    """An inference tensor outside inference mode: lean_call refuses it on every call (never kept)."""
+    return p.is_inference() and not mode
+
+
+def _undescribed(modules: Iterable[nn.Module]) -> bool:
+    """No adapter for any of ``modules``' types and no annotation on any of them."""
+    return all(registry.lookup(type(m)) is None and not marks.has_annotations(m) for m in modules)
+
+
+def _same(ref: Callable[[], object], p: Tensor) -> bool:
+    return ref() is p
+
+
+def apply_kept(
+    module: nn.Module,
+    ancestors: Sequence[nn.Module],
+    init_fn: Callable[..., Tensor],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+) -> bool:
+    """Write ``module``'s own parameters as the kept decision says, if it still holds; False: nothing done."""
+    kept = _APPLY.get(id(module))
+    if kept is None:
+        return False
+    ref, cls, kinds, root, head, mode, was, params = kept
+    own = param_dict(module)
+    if (
+        ref() is not module
+        or type(module) is not cls
+        or root() is not (ancestors[-1] if ancestors else module)
+        or len(own) != len(params)
+        or NOW[0] != was[1]
+        or registry.snapshot() is not was[0]
+        or (head != (init_fn,) if not args and not kwargs else call_key(init_fn, args, kwargs) != head)
+        or tuple(map(type, ancestors)) != kinds
+        or torch.is_inference_mode_enabled() is not mode
+        or torch.compiler.is_compiling()
+    ):
+        return False
+    writes: list[tuple[Tensor, str | None]] = []
+    for (name, p), (kname, kref, meta, how, label) in zip(own.items(), params, strict=True):
+        if name != kname:
+            return False
+        if meta is None:  # not written: still None or under two dims
+            if p is not None and p.dim() >= 2:
+                return False
+            continue
+        if p is None or kref is None or _meta(p) != meta or not _same(kref, p):
+            return False
+        if how == TORCH:  # (else SKIP: a zero-element tensor, nothing to write)
+            writes.append((p, label))
+    lean_calls(writes, init_fn, args, kwargs)
+    return True
+
+
+def keep_apply(
+    module: nn.Module,
+    ancestors: Sequence[nn.Module],
+    head: tuple[object, ...],
+    was: tuple[object, ...],
+    hows: Mapping[int, int],
+    labels: Mapping[int, str],
+) -> None:
+    """Keep the lean decision just made for ``module`` (``hows``: route by ``id`` of each parameter written),
+    where no adapter or annotation took part, nothing in the tree needs the forward and nothing changed meanwhile."""
+    root = ancestors[-1] if ancestors else module
+    if world() != was or not found.quiet(root) or not _undescribed((module, *ancestors)):
+        return
+    mode = torch.is_inference_mode_enabled()
+    params: list[_Own] = []
+    for name, p in param_dict(module).items():
+        if p is not None and id(p) in hows:
+            if _refused(p, mode):
+                return
+            params.append((name, weakref.ref(p), _meta(p), hows[id(p)], labels[id(p)]))
+        elif p is None or p.dim() < 2:
+            params.append((name, None, None, 0, ""))
+        else:
+            return
+    if len(_APPLY) >= _MAX:
+        _APPLY.clear()
+    _APPLY[id(module)] = (
+        weakref.ref(module),
+        type(module),
+        tuple(map(type, ancestors)),
+        weakref.ref(root),
+        head,
+        mode,
+        was,
+        tuple(params),
+    )
+
+
+def _node(m: nn.Module) -> _Node:
+    kids, own = module_dict(m), param_dict(m)
+    return (
+        weakref.ref(m),
+        type(m),
+        tuple(kids),
+        tuple(map(id, kids.values())),
+        tuple(own),
+        tuple(None if p is None else weakref.ref(p) for p in own.values()),
+        tuple(p is None or p.dim() < 2 for p in own.values()),
+    )
+
+
+def _same_node(node: _Node) -> bool:
+    ref, cls, names, ids, pnames, prefs, low = node
+    m = ref()
+    if m is None or type(m) is not cls:
+        return False
+    kids, own = module_dict(m), param_dict(m)
+    if tuple(kids) != names or tuple(map(id, kids.values())) != ids or tuple(own) != pnames:
+        return False
+    for p, r, small in zip(own.values(), prefs, low, strict=True):
+        if (p is not None if r is None else r() is not p) or (small and p is not None and p.dim() >= 2):
+            return False
+    return True
+
+
+def tree_kept(
+    model: nn.Module, init_fn: Callable[..., Tensor], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> bool:
+    """Initialise ``model`` as the kept decision says, if it still holds (every check first); False: nothing done."""
+    kept = _TREE.get(model)
+    if kept is None or torch.compiler.is_compiling():
+        return False
+    head, mode, was, nodes, writes = kept
+    if world() != was or torch.is_inference_mode_enabled() is not mode or call_key(init_fn, args, kwargs) != head:
+        return False
+    if not all(map(_same_node, nodes)):
+        return False
+    todo: list[tuple[Tensor, str | None]] = []
+    for ref, meta, how, name in writes:
+        p = ref()
+        if p is None or _meta(p) != meta:
+            return False
+        if how == TORCH:  # (else SKIP: a zero-element tensor, nothing to write)
+            todo.append((p, name))
+    lean_calls(todo, init_fn, args, kwargs)
+    return True
+
+
+def keep_tree(
+    model: nn.Module,
+    head: tuple[object, ...] | None,
+    was: tuple[object, ...],
+    entries: Sequence[tuple[str, Tensor, object]],
+    steps: Sequence[object],
+) -> None:
+    """Keep a whole-model decision: ``entries`` as resolved (every one without a layout), ``steps`` as planned
+    (every one a lean step whose checks an equal tensor passed), where nothing describes any module."""
+    if head is None or world() != was or any(lay is not None for _, _, lay in entries):
+        return
+    if _TRIED.get(model) != (head, was):  # kept on the second equal call in a row: a model traced again
+        _TRIED[model] = (head, was)  # before every call (forget) never pays for keeping what it cannot use
+        return
+    mode = torch.is_inference_mode_enabled()
+    writes: list[_Write] = []
+    for step in steps:
+        if not isinstance(step, tuple):
+            return  # checked on its own this time: kept only once an equal tensor's checks are reused
+        how, p, _, _, _, name = step
+        if _refused(p, mode):
+            return
+        writes.append((weakref.ref(p), _meta(p), how, name))
+    modules = list(model.modules())
+    if not _undescribed(modules):
+        return
+    _TREE[model] = (head, mode, was, tuple(map(_node, modules)), tuple(writes))
