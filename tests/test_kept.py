@@ -233,3 +233,25 @@ def test_threads_each_get_their_own_models_values() -> None:
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+@pytest.mark.parametrize("idiom", ["chunked", "init_model"])
+def test_a_forward_traced_again_keeps_the_decision_only_when_it_shows_the_same(idiom: str) -> None:
+    from packedinit.model import found
+    from packedinit.trace.verdict import Inferred
+
+    model = _stack(2, 16)
+    _warm(model, IDIOMS[idiom])
+    assert _is_kept(model, idiom)
+    found.forget(model)  # traced again on the next call: nothing is built for a Sequential, as before
+    assert _is_kept(model, idiom)
+    assert found.findings(model) is None
+    # the forward now shows the first weight as [8 | 8] rows: a change, the next call is a first call
+    split = Inferred("packed", Layout(0, [8, 8]), "split in two")
+    found.remember(model, {"0.weight": split, "1.weight": Inferred("not packed", None, "used whole")})
+    assert not _is_kept(model, idiom)
+    torch.manual_seed(3)
+    IDIOMS[idiom](model, xavier_uniform_)
+    bound_block, bound_whole = (6 / 24) ** 0.5, (6 / 32) ** 0.5
+    top = float(model[0].weight.detach().abs().max())
+    assert bound_whole < top <= bound_block

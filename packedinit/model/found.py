@@ -88,6 +88,9 @@ class _Seen:
 
 
 _cache: weakref.WeakKeyDictionary[nn.Module, _Seen] = weakref.WeakKeyDictionary()
+#: what was last remembered per model (kept after forget): a trace that shows the same is no change
+_shown: weakref.WeakKeyDictionary[nn.Module, dict[str, Finding] | None] = weakref.WeakKeyDictionary()
+_NOTHING: Any = object()
 
 
 def quiet(root: nn.Module) -> bool:
@@ -120,19 +123,30 @@ def trace(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) ->
 
 
 def remember(model: nn.Module, found: Mapping[str, Finding] | None) -> None:
-    """Keep ``found`` as what the forward shows about ``model`` (weakly: the model's lifetime)."""
+    """Keep ``found`` as what the forward shows about ``model`` (weakly: the model's lifetime).
+
+    A decision kept from an earlier call (:mod:`packedinit.model.kept`) stays valid only when what the
+    forward shows is equal, value for value, to what it showed before (a model traced again after
+    :func:`forget`): any other record is a change.
+    """
     with _lock:
         _cache[model] = _Seen(found)
         _last.clear()
-        bump()
+        was = _shown.get(model, _NOTHING)
+        _shown[model] = dict(found) if found is not None else None
+        if was is _NOTHING or was != _shown[model]:
+            bump()
 
 
 def forget(model: nn.Module) -> None:
-    """Drop what was kept of ``model``'s forward: the next whole-model call traces it again."""
+    """Drop what was kept of ``model``'s forward: the next whole-model call traces it again.
+
+    Nothing kept from it is used before that trace (:mod:`packedinit.model.kept` asks :func:`findings`
+    first), and a different result is a change (:func:`remember`).
+    """
     with _lock:
         _cache.pop(model, None)
         _last.clear()
-        bump()
 
 
 def findings(model: nn.Module) -> Mapping[str, Finding] | None:
@@ -173,10 +187,9 @@ def _seen(model: nn.Module) -> _Seen:
     with _lock:
         seen = _cache.get(model)
     if seen is None:
-        findings(model)
+        findings(model)  # remembers what it found (a change where it differs)
         with _lock:
             seen = _cache.setdefault(model, _Seen(None))
-            bump()
     _last[:] = [(weakref.ref(model), seen)]
     return seen
 

@@ -197,6 +197,7 @@ def tree_kept(
     kept = _TREE.get(model)
     if kept is None or torch.compiler.is_compiling():
         return False
+    found.findings(model)  # traced again first where the record was dropped (found.forget): a new result is a change
     head, mode, was, nodes, writes = kept
     if world() != was or torch.is_inference_mode_enabled() is not mode or call_key(init_fn, args, kwargs) != head:
         return False
