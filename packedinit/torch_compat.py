@@ -300,7 +300,7 @@ def apply_ancestors(module: nn.Module, depth: int = 1) -> list[nn.Module] | None
     2.15.0 (CPython 3.10, 3.11, 3.13). Public fallback: ``inspect.currentframe()`` (slower, same frames).
     """
     f: FrameType | None = sys._getframe(depth + 1)
-    if f is None or f.f_code is not _APPLY_CODE or f.f_locals.get("self") is not module:
+    if f is None or f.f_code is not _APPLY_CODE:  # its one call of fn is fn(self): that is ``module``
         return None
     out: list[nn.Module] = []
     f = f.f_back

@@ -41,10 +41,11 @@ __all__ = ["world", "apply_kept", "keep_apply", "tree_kept", "keep_tree"]
 
 _MAX = 1 << 16  # kept module decisions; all dropped when full
 _Meta: TypeAlias = tuple[object, ...]
-#: a parameter of a kept module: (name, weakref or None, meta or None, route, label); meta None: not written
-_Own: TypeAlias = "tuple[str, weakref.ref[Tensor] | None, _Meta | None, int, str]"
-#: a kept module decision: (module, type, ancestors' types, root, call key, inference mode, world, parameters)
-_Visit: TypeAlias = "tuple[weakref.ref[nn.Module], type, tuple[type, ...], weakref.ref[nn.Module], tuple[object, ...], bool, tuple[object, ...], tuple[_Own, ...]]"  # noqa: E501
+#: a parameter of a kept module: (weakref or None, meta or None, route, label); meta None: not written
+_Own: TypeAlias = "tuple[weakref.ref[Tensor] | None, _Meta | None, int, str]"
+#: a kept module decision: (module, type, ancestors' types, root, call key, inference mode, world, parameter
+#: names, parameters)
+_Visit: TypeAlias = "tuple[weakref.ref[nn.Module], type, tuple[type, ...], weakref.ref[nn.Module], tuple[object, ...], bool, tuple[object, ...], tuple[str, ...], tuple[_Own, ...]]"  # noqa: E501
 #: a module of a kept tree: (module, type, child names, child ids, parameter names, parameter refs, low-dim flags)
 _Node: TypeAlias = "tuple[weakref.ref[nn.Module], type, tuple[str, ...], tuple[int, ...], tuple[str, ...], tuple[weakref.ref[Tensor] | None, ...], tuple[bool, ...]]"  # noqa: E501
 #: a write of a kept tree: (parameter, meta, route, name)
@@ -66,7 +67,7 @@ def world() -> tuple[object, int]:
 
 def _meta(p: Tensor) -> _Meta:
     # (the object is compared first, so its type; a Parameter's data cannot become sparse)
-    return (p.shape, p.stride(), p.dtype, p.device, p.is_inference())
+    return (p.size(), p.stride(), p.dtype, p.device, p.is_inference())
 
 
 def _refused(p: Tensor, mode: bool) -> bool:
@@ -94,25 +95,22 @@ def apply_kept(
     kept = _APPLY.get(id(module))
     if kept is None:
         return False
-    ref, cls, kinds, root, head, mode, was, params = kept
+    ref, cls, kinds, root, head, mode, was, names, params = kept
     own = param_dict(module)
     if (
         ref() is not module
         or type(module) is not cls
         or root() is not (ancestors[-1] if ancestors else module)
-        or len(own) != len(params)
-        or NOW[0] != was[1]
-        or registry.snapshot() is not was[0]
+        or tuple(own) != names
+        or NOW[0] != was[1]  # (every registry change moves it too)
         or (head != (init_fn,) if not args and not kwargs else call_key(init_fn, args, kwargs) != head)
-        or tuple(map(type, ancestors)) != kinds
+        or ((type(ancestors[0]),) if len(ancestors) == 1 else tuple(map(type, ancestors))) != kinds
         or torch.is_inference_mode_enabled() is not mode
         or torch.compiler.is_compiling()
     ):
         return False
     writes: list[tuple[Tensor, str | None]] = []
-    for (name, p), (kname, kref, meta, how, label) in zip(own.items(), params, strict=True):
-        if name != kname:
-            return False
+    for p, (kref, meta, how, label) in zip(own.values(), params, strict=True):
         if meta is None:  # not written: still None or under two dims
             if p is not None and p.dim() >= 2:
                 return False
@@ -140,13 +138,14 @@ def keep_apply(
         return
     mode = torch.is_inference_mode_enabled()
     params: list[_Own] = []
-    for name, p in param_dict(module).items():
+    own = param_dict(module)
+    for p in own.values():
         if p is not None and id(p) in hows:
             if _refused(p, mode):
                 return
-            params.append((name, weakref.ref(p), _meta(p), hows[id(p)], labels[id(p)]))
+            params.append((weakref.ref(p), _meta(p), hows[id(p)], labels[id(p)]))
         elif p is None or p.dim() < 2:
-            params.append((name, None, None, 0, ""))
+            params.append((None, None, 0, ""))
         else:
             return
     if len(_APPLY) >= _MAX:
@@ -159,6 +158,7 @@ def keep_apply(
         head,
         mode,
         was,
+        tuple(own),
         tuple(params),
     )
 

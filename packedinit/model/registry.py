@@ -24,6 +24,7 @@ from torch import nn
 
 from packedinit.errors import PackedInitError
 from packedinit.layout import Layout
+from packedinit.model.changes import bump
 
 __all__ = [
     "Adapter",
@@ -68,6 +69,13 @@ def _table_of(types: Mapping[type[nn.Module], Adapter], paths: Mapping[str, Adap
 
 _lock = threading.RLock()
 _table = _table_of({}, {})
+
+
+def _install(table: _Table) -> None:
+    """Make ``table`` the registry, then say so (:mod:`packedinit.model.changes`: kept decisions read it)."""
+    global _table
+    _table = table
+    bump()
 _builtins_loaded = False
 _builtins_loader: int | None = None  # thread id while the built-ins are being registered
 _builtin_loader: Callable[[], None] | None = None
@@ -81,7 +89,7 @@ def set_builtin_loader(loader: Callable[[], None]) -> None:
 
 def ensure_builtins() -> None:
     """Register :mod:`packedinit.adapters` once (re-entrant for the loading thread)."""
-    global _builtins_loaded, _builtins_loader, _table
+    global _builtins_loaded, _builtins_loader
     loader = _builtin_loader
     if _builtins_loaded or _builtins_loader == threading.get_ident() or loader is None:
         return
@@ -94,7 +102,7 @@ def ensure_builtins() -> None:
             loader()
             _builtins_loaded = True
         except BaseException:
-            _table = before  # all or nothing: a failed load leaves no half-registered built-ins
+            _install(before)  # all or nothing: a failed load leaves no half-registered built-ins
             raise
         finally:
             _builtins_loader = None
@@ -188,7 +196,6 @@ def register(key: Key, *, replace: bool = False) -> Callable[[Any], Any]:
         raise PackedInitError(f"register({key_name(checked)!r}, replace={replace!r}): replace must be a bool.")
 
     def decorator(adapter: Any) -> Any:
-        global _table
         if not callable(adapter):
             raise PackedInitError(
                 f"register({key_name(checked)!r}) decorates {adapter!r}, which is not callable; "
@@ -204,9 +211,9 @@ def register(key: Key, *, replace: bool = False) -> Callable[[Any], Any]:
                     f"pass replace=True to replace it, or unregister({key_name(checked)!r}) first."
                 )
             if isinstance(checked, str):
-                _table = _table_of(t.types, {**t.paths, checked: adapter})
+                _install(_table_of(t.types, {**t.paths, checked: adapter}))
             else:
-                _table = _table_of({**t.types, checked: adapter}, t.paths)
+                _install(_table_of({**t.types, checked: adapter}, t.paths))
         return adapter
 
     return decorator
@@ -225,7 +232,6 @@ def unregister(key: Key) -> Adapter | None:
         {}
         >>> _ = register(torch.nn.MultiheadAttention)(mha)
     """
-    global _table
     checked = _check_key(key)
     ensure_builtins()
     with _lock:
@@ -235,13 +241,13 @@ def unregister(key: Key) -> Adapter | None:
                 return None
             paths = dict(t.paths)
             removed = paths.pop(checked)
-            _table = _table_of(t.types, paths)
+            _install(_table_of(t.types, paths))
         else:
             if checked not in t.types:
                 return None
             types = dict(t.types)
             removed = types.pop(checked)
-            _table = _table_of(types, t.paths)
+            _install(_table_of(types, t.paths))
         return removed
 
 
