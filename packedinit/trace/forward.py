@@ -27,7 +27,7 @@ from torch import nn
 from packedinit.errors import PackedInitError
 from packedinit.layout import Layout
 from packedinit.trace.compare import layout_of_labels
-from packedinit.trace.rows import blocks_of
+from packedinit.trace.rows import WeightRows, blocks_of
 from packedinit.trace.tracer import Tracer
 from packedinit.trace.twin import run_read_only
 from packedinit.trace.verdict import Inferred
@@ -87,19 +87,28 @@ def infer_layouts(model: nn.Module, *example_inputs: Any, **example_kwargs: Any)
             f"infer_layouts({type(model).__name__}, ...): the forward raised {type(e).__name__}: {e}; "
             f"give an example input the model's forward accepts (a batch of 2, a few tokens)."
         ) from e
-    return {n: _verdict(n, tracer) for n in named}
+    same: dict[tuple[object, ...], Inferred] = {}  # repeated layers: one verdict per distinct use
+    return {n: _verdict(n, tracer, same) for n in named}
 
 
-def _verdict(name: str, tracer: Tracer) -> Inferred:
+def _verdict(name: str, tracer: Tracer, same: dict[tuple[object, ...], Inferred]) -> Inferred:
     w = tracer.weights.get(name)
-    if w is None:
-        if name in tracer.embedded:
-            return Inferred("not packed", None, "an embedding table (looked up, not multiplied)")
-        return Inferred(
-            "opaque", None,
-            "the forward used it in none of F.linear, matmul, addmm, conv1d/conv2d, embedding "
-            "(einsum, a fused kernel, or not at all on this input)",
-        )  # fmt: skip
+    if w is not None:  # what the verdict reads of the weight, all of it (the name only picks the weight)
+        key = (w.rows, w.dim, w.transposed, w.batch_dims, tuple(w.pieces), tuple(w.merges))
+        kept = same.get(key)
+        if kept is None:
+            kept = same[key] = _weight_verdict(w)
+        return kept
+    if name in tracer.embedded:
+        return Inferred("not packed", None, "an embedding table (looked up, not multiplied)")
+    return Inferred(
+        "opaque", None,
+        "the forward used it in none of F.linear, matmul, addmm, conv1d/conv2d, embedding "
+        "(einsum, a fused kernel, or not at all on this input)",
+    )  # fmt: skip
+
+
+def _weight_verdict(w: WeightRows) -> Inferred:
     # no piece: every row in one block, no layout (what layout_of_labels says of one label, without the labels)
     layout = layout_of_labels(blocks_of(w), w.dim, w.transposed, w.batch_dims) if w.pieces else None
     stack = f" in each of its {w.batch_dims}-dim stack of matrices" if w.batch_dims else ""

@@ -11,7 +11,7 @@ labels are CPU tensors beside the traced tensors, which may be on the meta devic
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +98,29 @@ class Tracer(TorchFunctionMode):
         self.refs: dict[int, tuple[Tensor, _Ref]] = {}
         self.labels: dict[int, tuple[Tensor, Entries]] = {}
         self.embedded: set[str] = set()
+        # repeated layers read equal coordinates: one arange per size, and the distinct rows of a label
+        # tensor by where it lies in memory (the tensor is held, so that memory is not reused meanwhile)
+        self._aranges: dict[int, Tensor] = {}
+        self._rows: dict[tuple[object, ...], tuple[Tensor, frozenset[int]]] = {}
+
+    def _arange(self, n: int) -> Tensor:
+        kept = self._aranges.get(n)
+        if kept is None:
+            kept = self._aranges[n] = torch.arange(n)
+        return kept
+
+    def _distinct(self, labels: Tensor, *, flat: bool = False) -> frozenset[int]:
+        """:func:`~packedinit.trace.rows.rows_of` (``flat``: of a 1-D line of coordinates), once per labelling.
+
+        Label tensors are never written in place (every op on them makes a new tensor or a view), so
+        the same memory, shape and strides hold the same numbers while the tensor is alive.
+        """
+        key = (labels.data_ptr(), labels.storage_offset(), tuple(labels.shape), labels.stride(), flat)
+        kept = self._rows.get(key)
+        if kept is None:
+            rows = frozenset(labels.tolist()) if flat else rows_of(labels)
+            kept = self._rows[key] = (labels, rows)
+        return kept[1]
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _ref(self, t: object) -> _Ref | None:
@@ -110,8 +133,8 @@ class Tracer(TorchFunctionMode):
         if held is None or held[1] is not t:
             return None
         shape = tuple(t.shape)
-        rows = torch.arange(shape[-2]).view(-1, 1).expand(shape)
-        cols = torch.arange(shape[-1]).expand(shape)
+        rows = self._arange(shape[-2]).view(-1, 1).expand(shape)
+        cols = self._arange(shape[-1]).expand(shape)
         ref = _Ref(held[0], rows, cols, (shape[-2], shape[-1]), len(shape) - 2)
         self.refs[id(t)] = (t, ref)
         return ref
@@ -141,18 +164,34 @@ class Tracer(TorchFunctionMode):
         w.uses.add(use)
         if w.dim != storage:
             return  # the same weight read along its other dim too (a tied embedding): keep the first
-        seen = frozenset(labels.tolist())
+        seen = self._distinct(labels, flat=True)
         if len(seen) < w.rows:
             w.pieces.append(seen)  # a slice of the weight projected on its own is one piece
         self._tag(out, ((ref.name, _along(out, axis, labels)),))
 
     def _piece(self, weight: str, parent: Tensor | frozenset[int], child: Tensor) -> frozenset[int]:
         """Record ``child``'s rows as a piece where they are fewer than ``parent``'s; returns ``parent``'s rows."""
-        rows = rows_of(child)
-        whole = rows_of(parent) if isinstance(parent, Tensor) else parent
+        rows = self._distinct(child)
+        whole = self._distinct(parent) if isinstance(parent, Tensor) else parent
         if rows and rows != whole:
             self.weights[weight].pieces.append(rows)
         return whole
+
+    def _touches(self, values: Iterable[Any]) -> bool:
+        """Whether a weight, a followed view of one or a labelled tensor is among ``values`` (or one list deep).
+
+        Only ids are looked up: a stale id that matches sends the op down the full path, which checks
+        the object itself (:meth:`_ref`, :meth:`_label`).
+        """
+        known = (self.params, self.refs, self.labels)
+        for v in values:
+            if isinstance(v, Tensor):
+                i = id(v)
+                if i in known[0] or i in known[1] or i in known[2]:
+                    return True
+            elif isinstance(v, (list, tuple)) and self._touches(v):
+                return True
+        return False
 
     # -- the mode -----------------------------------------------------------------------------
     def __torch_function__(
@@ -160,6 +199,8 @@ class Tracer(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if not self._touches(args) and not (kwargs and self._touches(kwargs.values())):
+            return out  # no weight, no view of one, no labelled output among the inputs: nothing to follow
         # a label we cannot carry through this op: that path is simply not followed
         with contextlib.suppress(RuntimeError, TypeError, ValueError, IndexError), torch_function_off():
             self._follow(func, args, kwargs, out)  # plain torch: the modes under this one see the forward only
@@ -239,7 +280,7 @@ class Tracer(TorchFunctionMode):
                 continue
             if torch.equal(*compact(theirs, mine[weight])):
                 continue
-            if name not in _SUMS and rows_of(theirs) != rows_of(mine[weight]):
+            if name not in _SUMS and self._distinct(theirs) != self._distinct(mine[weight]):
                 return  # different features multiplied (a gate times a value): not followed further
             # features of one weight summed (rotary: x1 * cos - x2 * sin), or the same rows in another
             # order combined (x * cos + rotate_half(x) * sin): they are one block
@@ -337,7 +378,7 @@ class Tracer(TorchFunctionMode):
         by_weight: dict[str, set[int]] = {}
         for entries in labs:
             for weight, lab in entries:
-                by_weight.setdefault(weight, set()).update(rows_of(lab))
+                by_weight.setdefault(weight, set()).update(self._distinct(lab))
         for weight, rows in by_weight.items():
             if sum(1 for entries in labs for w, _ in entries if w == weight) > 1:
                 w = self.weights[weight]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import random
 import sys
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, TypeVar
@@ -106,9 +107,16 @@ def meta_twin(model: nn.Module) -> nn.Module:
     memo: dict[int, Any] = {}
     for module in model.modules():
         for value in (*param_dict(module).values(), *buffer_dict(module).values(), *vars(module).values()):
-            if isinstance(value, Tensor) and id(value) not in memo:
-                memo[id(value)] = _meta(value)
+            if isinstance(value, Tensor):
+                if id(value) not in memo:
+                    memo[id(value)] = _meta(value)
+            elif type(value) in _EMPTY and not value:  # what deepcopy makes of it, without its reduce protocol:
+                memo[id(value)] = type(value)()  # a module's many empty hook dicts cost most of a copy
     return copy.deepcopy(model, memo)
+
+
+#: container types whose empty instances the twin gets as new empty ones directly (exact types only)
+_EMPTY = (dict, OrderedDict, set, list)
 
 
 def run_read_only(
