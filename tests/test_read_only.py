@@ -175,3 +175,39 @@ def test_the_twin_used_is_meta_where_the_forward_allows_and_a_copy_where_it_read
     x = torch.randn(4, E)
     assert run_read_only(Wild(False), (x,), {}, kind) == ("meta", "meta")
     assert run_read_only(Wild(True), (x,), {}, kind) == ("cpu", "copy")
+
+
+_FLAG_WRITES: list[tuple[int, object]] = []
+
+
+class _Watched(nn.Module):
+    """Records every write of ``training`` by the id of the module written (a twin is another module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(E, 3 * E)
+        self.drop = nn.Dropout(0.5)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "training":
+            _FLAG_WRITES.append((id(self), value))
+        super().__setattr__(name, value)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.drop(self.qkv(x)).split(E, dim=-1)
+        return (q * k + v).sum()
+
+
+def test_the_idioms_trace_never_sets_the_models_flags_not_even_for_a_moment() -> None:
+    # trace_model is what the whole-model idioms call: it traces in eval mode. Another thread reading
+    # model.training during the trace would see a flip if the model itself were put in eval mode.
+    from packedinit.trace.auto import trace_model
+
+    model = _Watched().train()
+    _FLAG_WRITES.clear()
+    found = trace_model(model, (torch.randn(2, E),), {})
+    assert found is not None
+    assert found["qkv.weight"].layout == packedinit.Layout(0, [E, E, E])
+    assert all(who != id(model) for who, _ in _FLAG_WRITES), _FLAG_WRITES
+    assert any(flag is False for _, flag in _FLAG_WRITES)  # the twin was put in eval mode
+    assert model.training

@@ -2,16 +2,16 @@
 
 :func:`trace_model` is what ``packedinit`` installs in :mod:`packedinit.model.found`: it traces a
 model on the inputs given (or built by :func:`~packedinit.trace.inputs.example_inputs`) with the
-model in eval mode and every RNG state saved and restored, so the idioms' results do not depend
+model's twin in eval mode (the model's own flags are never set, not even for a moment: another
+thread may read them) and every RNG state saved and restored, so the idioms' results do not depend
 on whether a trace ran. On built inputs the result is kept per architecture too (the class, the
 config, the parameters' shapes): a second model built from the same config is not traced again.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -19,27 +19,10 @@ from torch import Tensor, nn
 
 from packedinit.errors import PackedInitError
 from packedinit.model import found
-from packedinit.trace.forward import Inferred, infer_layouts
+from packedinit.trace.forward import Inferred, trace_layouts
 from packedinit.trace.inputs import example_inputs
 
 __all__ = ["trace_model", "forget"]
-
-
-@contextlib.contextmanager
-def _untouched(model: nn.Module) -> Iterator[None]:
-    """Eval mode and saved RNG states for the trace; flags and RNG states restored after."""
-    flags = [(m, m.training) for m in model.modules()]
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]  # torch leaves it untyped
-    try:
-        model.eval()
-        yield
-    finally:
-        for m, flag in flags:
-            m.training = flag
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
 
 
 def _device(model: nn.Module) -> torch.device | None:
@@ -79,13 +62,12 @@ def trace_model(
         device = _device(model)
         args = tuple(_moved(a, device) for a in got[0])
         kwargs = {k: _moved(v, device) for k, v in got[1].items()}
-    with _untouched(model):
-        try:
-            found = infer_layouts(model, *args, **kwargs)
-        except PackedInitError:
-            if built:
-                return None  # the idioms then name what looks packed
-            raise
+    try:  # on a twin in eval mode: the model itself, its flags and every RNG state are never touched
+        found = trace_layouts(model, args, dict(kwargs), eval_mode=True)
+    except PackedInitError:
+        if built:
+            return None  # the idioms then name what looks packed
+        raise
     if key is not None:
         with _lock:
             _BY_ARCHITECTURE[key] = found

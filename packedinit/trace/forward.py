@@ -32,7 +32,7 @@ from packedinit.trace.tracer import Tracer
 from packedinit.trace.twin import run_read_only
 from packedinit.trace.verdict import Inferred
 
-__all__ = ["Inferred", "infer_layouts"]
+__all__ = ["Inferred", "infer_layouts", "trace_layouts"]
 
 
 def infer_layouts(model: nn.Module, *example_inputs: Any, **example_kwargs: Any) -> dict[str, Inferred]:
@@ -70,18 +70,27 @@ def infer_layouts(model: nn.Module, *example_inputs: Any, **example_kwargs: Any)
         >>> found["qkv.weight"].layout
         Layout(dim=0, sizes=(8, 4, 4))
     """
+    return trace_layouts(model, example_inputs, example_kwargs)
+
+
+def trace_layouts(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, eval_mode: bool = False
+) -> dict[str, Inferred]:
+    """:func:`infer_layouts`; ``eval_mode``: the twin is put in eval mode first (the model never is)."""
     if not isinstance(model, nn.Module):
         raise PackedInitError(f"infer_layouts(model, ...) needs an nn.Module, got {type(model).__name__}.")
     named = [n for n, p in model.named_parameters() if p.dim() >= 2]
 
     def trace(twin: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tracer:
+        if eval_mode:
+            twin.eval()
         tracer = Tracer({id(p): (n, p) for n, p in twin.named_parameters() if p.dim() >= 2})
         with tracer:
             twin(*args, **kwargs)
         return tracer
 
     try:
-        tracer, _ = run_read_only(model, example_inputs, example_kwargs, trace)
+        tracer, _ = run_read_only(model, args, kwargs, trace)
     except Exception as e:
         raise PackedInitError(
             f"infer_layouts({type(model).__name__}, ...): the forward raised {type(e).__name__}: {e}; "
