@@ -15,7 +15,7 @@ from packedinit.engine.keys import request_key
 from packedinit.engine.lean import GENERAL, PLAIN_TYPES, call, route, whole
 from packedinit.engine.plan import Plan, Request, cacheable, make_plan
 from packedinit.engine.traits import is_dtensor
-from packedinit.torch_compat import set_grad_enabled
+from packedinit.torch_compat import TORCH_VERSION, set_grad_enabled
 
 __all__ = ["run"]
 
@@ -105,3 +105,7 @@ def _eager() -> Callable[[Request, Scratch | None], None]:
     if not _EAGER:
         _EAGER.append(torch.compiler.disable(run, recursive=True))  # type: ignore[no-untyped-call]  # torch leaves it untyped
     return _EAGER[0]
+
+
+if TORCH_VERSION < (2, 13):  # torch 2.6's Dynamo cannot trace making it (a graph break, with a warning): made now
+    _eager()
