@@ -155,11 +155,7 @@ def lean_call(
     # (torch.compile cannot trace is_inference(), nor take an inference tensor into a graph: skipped there)
     if not torch.compiler.is_compiling() and tensor.is_inference() and not torch.is_inference_mode_enabled():
         raise inference_refused(tensor, param)
-    try:
-        fn(tensor, *args, **kwargs)
-    except Exception as e:
-        if not _lean_failed(Request(tensor, None, None, fn, args, kwargs, param), fn, e):
-            raise
+    _lean_write(tensor, fn, args, kwargs, param)
 
 
 def lean_calls(
@@ -175,11 +171,17 @@ def lean_calls(
     it re-uses a decision); rejections become PackedInitError as in :func:`lean_call`.
     """
     for tensor, param in todo:
-        try:
-            fn(tensor, *args, **kwargs)
-        except Exception as e:
-            if not _lean_failed(Request(tensor, None, None, fn, args, kwargs, param), fn, e):
-                raise
+        _lean_write(tensor, fn, args, kwargs, param)
+
+
+def _lean_write(
+    tensor: Tensor, fn: Callable[..., Tensor], args: tuple[Any, ...], kwargs: Mapping[str, Any], param: str | None
+) -> None:
+    try:
+        fn(tensor, *args, **kwargs)
+    except Exception as e:
+        if not _lean_failed(Request(tensor, None, None, fn, args, kwargs, param), fn, e):
+            raise
 
 
 def _user_call(

@@ -23,7 +23,7 @@ from packedinit.model.parametrized import (
     weight_norm_hooks,
     write_through,
 )
-from packedinit.model.steps import plan_steps, run_steps
+from packedinit.model.steps import LeanStep, Step, plan_steps, run_steps
 
 __all__ = ["Entry", "Swap", "through_parametrizations", "init_held", "write_entries"]
 
@@ -90,14 +90,19 @@ def write_entries(
     init_fn: Callable[..., Tensor],
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
-) -> None:
-    """Plan every entry (stand-ins included), write them, then write each stand-in through its parametrization."""
-    run_steps(plan_steps(entries, init_fn, args, kwargs))
+) -> list[Step | LeanStep]:
+    """Plan every entry (stand-ins included), write them, then write each stand-in through its parametrization.
+
+    Returns the steps written (what :func:`packedinit.model.kept.keep_tree` may keep).
+    """
+    steps = plan_steps(entries, init_fn, args, kwargs)
+    run_steps(steps)
     for holder, standin in swaps:
         if is_holder(holder):
             write_through(holder, standin)
         else:  # a weight_norm hook's v, written in place: its g follows
             renorm_hooked(holder, standin)
+    return steps
 
 
 def init_held(

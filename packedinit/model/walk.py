@@ -33,7 +33,7 @@ from packedinit.model.found import end_pass, own_forward
 from packedinit.model.held import through_parametrizations, write_entries
 from packedinit.model.kept import keep_apply, keep_tree, tree_kept, world
 from packedinit.model.keywords import FILTERS, check_keywords
-from packedinit.model.steps import CHECKED, call_key, plan_steps, run_steps, tensor_key
+from packedinit.model.steps import CHECKED, call_key, tensor_key
 from packedinit.torch_compat import apply_ancestors as frames_from_apply
 from packedinit.torch_compat import param_dict
 
@@ -66,12 +66,9 @@ def whole_tree(
     was = world()
     found = resolve(model, idiom, loud=reads_fans(init_fn))
     entries, swaps = through_parametrizations(model.modules(), found, init_fn)
-    if swaps:
-        write_entries(entries, swaps, init_fn, args, kwargs)
-        return
-    steps = plan_steps(entries, init_fn, args, kwargs)
-    run_steps(steps)
-    keep_tree(model, call_key(init_fn, args, kwargs), was, entries, steps)
+    steps = write_entries(entries, swaps, init_fn, args, kwargs)
+    if not swaps:  # (a parametrized tree is never kept)
+        keep_tree(model, call_key(init_fn, args, kwargs), was, entries, steps)
 
 
 def apply_ancestors(module: nn.Module, depth: int = 1) -> list[nn.Module] | None:

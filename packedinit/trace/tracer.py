@@ -183,11 +183,10 @@ class Tracer(TorchFunctionMode):
         Only ids are looked up: a stale id that matches sends the op down the full path, which checks
         the object itself (:meth:`_ref`, :meth:`_label`).
         """
-        known = (self.params, self.refs, self.labels)
         for v in values:
             if isinstance(v, Tensor):
                 i = id(v)
-                if i in known[0] or i in known[1] or i in known[2]:
+                if i in self.params or i in self.refs or i in self.labels:
                     return True
             elif isinstance(v, (list, tuple)) and self._touches(v):
                 return True
