@@ -1,8 +1,9 @@
-"""One number that changes whenever what is known about layouts changes: an annotation written, a trace kept or dropped.
+"""One number that changes whenever what is known about layouts changes: an adapter registered or removed, an
+annotation written, a trace that shows something new.
 
-:mod:`packedinit.model.kept` compares it (with the adapter registry's snapshot) before it re-uses a
-decision; :mod:`packedinit.model.marks` and :mod:`packedinit.model.found` call :func:`bump` after
-each change. Read :data:`NOW` ``[0]``: a plain read, for the per-module path of ``model.apply``.
+:mod:`packedinit.model.kept` compares it before it re-uses a decision; :mod:`packedinit.model.registry`,
+:mod:`packedinit.model.marks` and :mod:`packedinit.model.found` call :func:`bump` after each change.
+Read :data:`NOW` ``[0]``: a plain read, for the per-module path of ``model.apply``.
 """
 
 from __future__ import annotations

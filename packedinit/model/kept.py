@@ -8,8 +8,8 @@ call with the same function and arguments on the same modules re-uses it after c
 the first write, everything the answer was read from:
 
 - what is known about layouts anywhere: the adapter registry, the annotations, what the forward
-  showed (one register/unregister, ``annotate``, trace or ``forget`` anywhere makes every kept
-  decision stale);
+  showed (one register/unregister, ``annotate``, or a trace that shows something else than the last
+  one anywhere makes every kept decision stale; after ``forget`` the model is traced again first);
 - the call: the init function and its plain-valued arguments, inference mode;
 - every module (held weakly: a kept decision keeps nothing alive): the same object and type, the
   same children (names and objects) and parameters (names and objects); for ``model.apply`` the
@@ -45,24 +45,23 @@ _Meta: TypeAlias = tuple[object, ...]
 _Own: TypeAlias = "tuple[weakref.ref[Tensor] | None, _Meta | None, int, str]"
 #: a kept module decision: (module, type, ancestors' types, root, call key, inference mode, world, parameter
 #: names, parameters)
-_Visit: TypeAlias = "tuple[weakref.ref[nn.Module], type, tuple[type, ...], weakref.ref[nn.Module], tuple[object, ...], bool, tuple[object, ...], tuple[str, ...], tuple[_Own, ...]]"  # noqa: E501
+_Visit: TypeAlias = "tuple[weakref.ref[nn.Module], type, tuple[type, ...], weakref.ref[nn.Module], tuple[object, ...], bool, int, tuple[str, ...], tuple[_Own, ...]]"  # noqa: E501
 #: a module of a kept tree: (module, type, child names, child ids, parameter names, parameter refs, low-dim flags)
 _Node: TypeAlias = "tuple[weakref.ref[nn.Module], type, tuple[str, ...], tuple[int, ...], tuple[str, ...], tuple[weakref.ref[Tensor] | None, ...], tuple[bool, ...]]"  # noqa: E501
 #: a write of a kept tree: (parameter, meta, route, name)
 _Write: TypeAlias = "tuple[weakref.ref[Tensor], _Meta, int, str | None]"
 
 _APPLY: dict[int, _Visit] = {}
-_TRIED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[object, ...], tuple[object, ...]]] = (
-    weakref.WeakKeyDictionary()
-)
+_TRIED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[object, ...], int]] = weakref.WeakKeyDictionary()
 _TREE: weakref.WeakKeyDictionary[
-    nn.Module, tuple[tuple[object, ...], bool, tuple[object, ...], tuple[_Node, ...], tuple[_Write, ...]]
+    nn.Module, tuple[tuple[object, ...], bool, int, tuple[_Node, ...], tuple[_Write, ...]]
 ] = weakref.WeakKeyDictionary()
 
 
-def world() -> tuple[object, int]:
-    """What every kept decision was read from beyond its modules: the registry, the annotations, the forward."""
-    return (registry.snapshot(), NOW[0])
+def world() -> int:
+    """What every kept decision was read from beyond its modules: the registry, the annotations, the forward
+    (:data:`packedinit.model.changes.NOW`, which each of them moves)."""
+    return NOW[0]
 
 
 def _meta(p: Tensor) -> _Meta:
@@ -102,7 +101,7 @@ def apply_kept(
         or type(module) is not cls
         or root() is not (ancestors[-1] if ancestors else module)
         or tuple(own) != names
-        or NOW[0] != was[1]  # (every registry change moves it too)
+        or NOW[0] != was
         or (head != (init_fn,) if not args and not kwargs else call_key(init_fn, args, kwargs) != head)
         or ((type(ancestors[0]),) if len(ancestors) == 1 else tuple(map(type, ancestors))) != kinds
         or torch.is_inference_mode_enabled() is not mode
@@ -127,7 +126,7 @@ def keep_apply(
     module: nn.Module,
     ancestors: Sequence[nn.Module],
     head: tuple[object, ...],
-    was: tuple[object, ...],
+    was: int,
     hows: Mapping[int, int],
     labels: Mapping[int, str],
 ) -> None:
@@ -217,7 +216,7 @@ def tree_kept(
 def keep_tree(
     model: nn.Module,
     head: tuple[object, ...] | None,
-    was: tuple[object, ...],
+    was: int,
     entries: Sequence[tuple[str, Tensor, object]],
     steps: Sequence[object],
 ) -> None:

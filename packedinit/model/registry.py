@@ -32,7 +32,6 @@ __all__ = [
     "register",
     "unregister",
     "registered",
-    "snapshot",
     "lookup",
     "class_path",
     "key_name",
@@ -50,7 +49,7 @@ Mod = TypeVar("Mod", bound=nn.Module)
 
 
 # -- the table ---------------------------------------------------------------------------------
-@dataclass(frozen=True, eq=False)  # compared by identity: a new one is a change
+@dataclass(frozen=True)
 class _Table:
     """An immutable snapshot of the registry; every change builds a new one (copy on write)."""
 
@@ -76,6 +75,8 @@ def _install(table: _Table) -> None:
     global _table
     _table = table
     bump()
+
+
 _builtins_loaded = False
 _builtins_loader: int | None = None  # thread id while the built-ins are being registered
 _builtin_loader: Callable[[], None] | None = None
@@ -129,7 +130,8 @@ def _check_key(key: object) -> Key:
     if isinstance(key, type) and issubclass(key, nn.Module):
         return key
     raise PackedInitError(
-        f"register({key!r}): the key must be an nn.Module subclass or a class path string, got {type(key).__name__}."
+        f"register({key!r}): the key must be an nn.Module subclass or a class path string, "
+        f"got {type(key).__name__}."
     )
 
 
@@ -249,15 +251,6 @@ def unregister(key: Key) -> Adapter | None:
             removed = types.pop(checked)
             _install(_table_of(types, t.paths))
         return removed
-
-
-def snapshot() -> object:
-    """The registry as it is now: an object that every register/unregister (and the built-ins' load) replaces.
-
-    Two calls return the same object exactly when no adapter was registered or removed in between
-    (what :mod:`packedinit.model.kept` compares before it re-uses a decision).
-    """
-    return _table
 
 
 def registered() -> Mapping[Key, Adapter]:
