@@ -26,6 +26,7 @@ from packedinit.layout import Layout, fmt_shape, is_int
 from packedinit.model.held import init_held
 from packedinit.model.kept import apply_kept
 from packedinit.model.marks import param_claim
+from packedinit.model.visits import end_traversal, later_writes
 from packedinit.model.walk import module_call
 from packedinit.torch_compat import apply_ancestors as frames_from_apply
 
@@ -304,8 +305,16 @@ def chunked(
             # `model.apply(chunked(f))` calls us once per submodule: then each call owns only
             # the module's own parameters (see walk.apply_ancestors); a direct call owns the whole tree.
             ancestors = frames_from_apply(target)
-            if ancestors is None or not unset or not apply_kept(target, ancestors, init_fn, args, kwargs):
+            if ancestors is None or not unset:
                 module_call(target, init_fn, chunks, dim, args, kwargs, ancestors=ancestors)
+                return None
+            try:  # a shared parameter is written by the last visit of the traversal that holds it (.visits)
+                later = later_writes(target, ancestors)
+                if not apply_kept(target, ancestors, init_fn, args, kwargs, later):
+                    module_call(target, init_fn, chunks, dim, args, kwargs, ancestors=ancestors, later=later)
+            except BaseException:
+                end_traversal()
+                raise
             return None
         if unset and isinstance(target, nn.Parameter):
             layout, holder = param_claim(target)  # annotated by packedinit.annotate: per block

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, TypeAlias
 
 import torch
@@ -89,8 +90,12 @@ def apply_kept(
     init_fn: Callable[..., Tensor],
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
+    later: AbstractSet[int] = frozenset(),
 ) -> bool:
-    """Write ``module``'s own parameters as the kept decision says, if it still holds; False: nothing done."""
+    """Write ``module``'s own parameters as the kept decision says, if it still holds; False: nothing done.
+
+    ``later``: the ``id`` of each parameter a later visit of the same traversal writes (left out here).
+    """
     kept = _APPLY.get(id(module))
     if kept is None:
         return False
@@ -116,7 +121,7 @@ def apply_kept(
             continue
         if p is None or kref is None or _meta(p) != meta or not _same(kref, p):
             return False
-        if how == TORCH:  # (else SKIP: a zero-element tensor, nothing to write)
+        if how == TORCH and id(p) not in later:  # (else SKIP: a zero-element tensor, nothing to write)
             writes.append((p, label))
     lean_calls(writes, init_fn, args, kwargs)
     return True

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, TypeAlias
 
 import torch
@@ -89,8 +90,9 @@ def _init_own(
     init_fn: Callable[..., Tensor],
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
+    later: AbstractSet[int],
 ) -> None:
-    own = [(n, p) for n, p in param_dict(module).items() if p is not None and p.dim() >= 2]
+    own = [(n, p) for n, p in param_dict(module).items() if p is not None and p.dim() >= 2 and id(p) not in later]
     if not own:
         if not ancestors:
             end_pass(module)
@@ -136,8 +138,10 @@ def module_call(
     kwargs: Mapping[str, Any],
     *,
     ancestors: Sequence[nn.Module] | None,
+    later: AbstractSet[int] = frozenset(),
 ) -> None:
-    """``chunked(f)(module)``: the whole tree, or (``ancestors`` given: from ``nn.Module.apply``) its own parameters."""
+    """``chunked(f)(module)``: the whole tree, or (``ancestors`` given: from ``nn.Module.apply``) its own parameters
+    but those in ``later`` (a later visit of the same traversal writes them: :mod:`.visits`)."""
     if chunks is not None or dim is not None:
         raise PackedInitError(
             f"chunked({fn_name(init_fn)}, chunks={chunks!r}, dim={dim!r}) was called on a "
@@ -148,7 +152,7 @@ def module_call(
     if kwargs:  # (the label is built only where there is a keyword to check: apply calls this per module)
         check_keywords(f"chunked({fn_name(init_fn)})", (), init_fn, kwargs)
     if ancestors is not None:
-        _init_own(module, ancestors, init_fn, args, kwargs)
+        _init_own(module, ancestors, init_fn, args, kwargs, later)
     else:
         init_tree(module, init_fn, args, kwargs)
 
