@@ -39,14 +39,20 @@ _APPLY = nn.Module.apply
 _NONE: frozenset[int] = frozenset()
 
 
-def _counts(params: Iterable[Tensor | None]) -> list[int]:
-    """The reference count of each parameter, as seen from here (CPython's ``sys.getrefcount``)."""
-    return [sys.getrefcount(p) for p in params if p is not None]
+_refcount = sys.getrefcount  # CPython's reference count
 
 
-#: What :func:`_counts` reads for a tensor that one ``_parameters`` dict alone holds (calibrated here,
-#: through the same code, so the interpreter's own references are counted the same way).
-_SOLO = max(_counts({"w": torch.empty(0)}.values()))
+def _held(params: Iterable[Tensor | None], solo: int) -> bool:
+    """Whether something besides their dict may hold one of ``params`` (a count above ``solo``, as seen here)."""
+    for p in params:  # noqa: SIM110 (a loop, not any(): cheaper per visit, and its own references are calibrated)
+        if p is not None and _refcount(p) > solo:
+            return True
+    return False
+
+
+#: What :func:`_held` reads for a tensor that one ``_parameters`` dict alone holds: calibrated here, through
+#: the same code, so the interpreter's own references are counted the same way on every version.
+_SOLO = next(n for n in range(1, 64) if not _held({"w": torch.empty(0)}.values(), n))
 
 
 class _Pass:
@@ -109,28 +115,40 @@ def later_writes(module: nn.Module, ancestors: Sequence[nn.Module]) -> frozenset
 
     ``ancestors``: the modules ``apply`` visits ``module`` from, nearest first (the root last).
     """
-    root = ancestors[-1] if ancestors else module
-    st, at = _STATE.now, -1
-    if st is not None:
-        if st.root() is root and st.pos < len(st.rest) and st.rest[st.pos]() is module:
-            at = st.pos
-            st.pos += 1
-        else:
-            st = _STATE.now = None  # another traversal, or one that stopped early
+    st = _STATE.now
+    if st is None:  # (the common case, kept cheap: no traversal with a shared parameter under way)
+        if not ancestors or not _held(param_dict(module).values(), _SOLO) or torch.compiler.is_compiling():
+            return _NONE
+        return _start(module, ancestors)
+    root, at = ancestors[-1] if ancestors else module, -1
+    if st.root() is root and st.pos < len(st.rest) and st.rest[st.pos]() is module:
+        at = st.pos
+        st.pos += 1
+    else:
+        st = _STATE.now = None  # another traversal, or one that stopped early
     if not ancestors:  # the root: the last visit of its traversal
         _STATE.now = None
         return _NONE
-    own = param_dict(module).values()
-    counts = _counts(own)
-    if max(counts, default=0) <= _SOLO or torch.compiler.is_compiling():
+    if not _held(param_dict(module).values(), _SOLO) or torch.compiler.is_compiling():
         return _NONE
     if st is None:
-        rest = _rest(module, ancestors)
-        if rest is None:
-            return _NONE
-        st = _STATE.now = _Pass(root, rest)
-    shared = [p for p in own if p is not None and p.dim() >= 2]
-    return frozenset(id(p) for p in shared if st.last.get(id(p), -1) > at)
+        return _start(module, ancestors)
+    return _after(st, module, at)
+
+
+def _start(module: nn.Module, ancestors: Sequence[nn.Module]) -> frozenset[int]:
+    """The first visit of a traversal with a parameter that may be shared: the visits to come, computed once."""
+    rest = _rest(module, ancestors)
+    if rest is None:
+        return _NONE
+    st = _STATE.now = _Pass(ancestors[-1], rest)
+    return _after(st, module, -1)
+
+
+def _after(st: _Pass, module: nn.Module, at: int) -> frozenset[int]:
+    """``module``'s parameters that a visit after position ``at`` (-1: before every one of ``st``) writes."""
+    own = [p for p in param_dict(module).values() if p is not None and p.dim() >= 2]
+    return frozenset(id(p) for p in own if st.last.get(id(p), -1) > at)
 
 
 def end_traversal() -> None:
