@@ -115,25 +115,20 @@ def later_writes(module: nn.Module, ancestors: Sequence[nn.Module]) -> frozenset
 
     ``ancestors``: the modules ``apply`` visits ``module`` from, nearest first (the root last).
     """
-    st = _STATE.now
-    if st is None:  # (the common case, kept cheap: no traversal with a shared parameter under way)
-        if not ancestors or not _held(param_dict(module).values(), _SOLO) or torch.compiler.is_compiling():
-            return _NONE
-        return _start(module, ancestors)
-    root, at = ancestors[-1] if ancestors else module, -1
-    if st.root() is root and st.pos < len(st.rest) and st.rest[st.pos]() is module:
-        at = st.pos
-        st.pos += 1
-    else:
-        st = _STATE.now = None  # another traversal, or one that stopped early
+    st, at = _STATE.now, -1
+    if st is not None:  # (None, the common case: no traversal with a shared parameter under way)
+        root = ancestors[-1] if ancestors else module
+        if st.root() is root and st.pos < len(st.rest) and st.rest[st.pos]() is module:
+            at = st.pos
+            st.pos += 1
+        else:
+            st = _STATE.now = None  # another traversal, or one that stopped early
     if not ancestors:  # the root: the last visit of its traversal
         _STATE.now = None
         return _NONE
     if not _held(param_dict(module).values(), _SOLO) or torch.compiler.is_compiling():
         return _NONE
-    if st is None:
-        return _start(module, ancestors)
-    return _after(st, module, at)
+    return _start(module, ancestors) if st is None else _after(st, module, at)
 
 
 def _start(module: nn.Module, ancestors: Sequence[nn.Module]) -> frozenset[int]:
