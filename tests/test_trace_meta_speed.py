@@ -144,3 +144,29 @@ def test_a_huge_tensor_made_on_the_meta_twin_gets_no_values() -> None:
         small = torch.arange(4, device="meta")
     assert id(big) not in mode.values
     assert torch.equal(mode.values[id(small)][1], torch.arange(4))
+
+
+def test_the_tracer_sees_the_same_forward_as_the_known_values_observer_and_as_a_mode_of_its_own() -> None:
+    """On the meta twin the tracer rides in the KnownValues mode (one dispatch per op); on a full copy it is its
+    own mode: both see every op of the forward, so both find the same uneven split."""
+    from packedinit.trace.known import KnownValues, observed
+    from packedinit.trace.tracer import Tracer
+    from packedinit.trace.twin import meta_twin
+
+    model, ids = Branchy(), torch.tensor([[1, 2, 3], [4, 5, 0]])
+    seen: dict[str, list[frozenset[int]]] = {}
+    for how in ("observer", "mode"):
+        twin = meta_twin(model) if how == "observer" else model
+        tracer = Tracer({id(p): (n, p) for n, p in twin.named_parameters() if p.dim() >= 2})
+        with torch.no_grad():
+            if how == "observer":
+                meta = ids.to("meta")
+                with KnownValues([(meta, ids.clone())]) as known, observed(tracer, tracer.observe):
+                    assert known.observer is not None  # joined the KnownValues mode, not a mode of its own
+                    twin(meta)
+                assert known.observer is None
+            else:
+                with observed(tracer, tracer.observe):  # no KnownValues here: the tracer is entered as a mode
+                    twin(ids)
+        seen[how] = sorted(tracer.weights["qkv.weight"].pieces, key=min)
+    assert seen["observer"] == seen["mode"] == [frozenset(range(8)), frozenset(range(8, 20)), frozenset(range(20, 24))]

@@ -3,6 +3,7 @@ same blocks, and where the forward and the registered layouts disagree."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 from packedinit.layout import Layout
@@ -46,8 +47,9 @@ def layout_of_labels(labels: list[int], dim: int, transposed: bool, batch_dims: 
     return None
 
 
-def _row_labels(layout: Layout) -> list[int]:
-    return [j for _ in range(layout.groups) for j, size in enumerate(layout.sizes) for _ in range(size)]
+@functools.lru_cache(maxsize=256)
+def _row_labels(groups: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(j for _ in range(groups) for j, size in enumerate(sizes) for _ in range(size))
 
 
 def same_blocks(a: Layout | None, b: Layout | None) -> bool:
@@ -65,7 +67,10 @@ def same_blocks(a: Layout | None, b: Layout | None) -> bool:
         b = None
     if a is None or b is None:
         return a is None and b is None
-    return (a.dim, a.transposed, a.batch_dims, _row_labels(a)) == (b.dim, b.transposed, b.batch_dims, _row_labels(b))
+    if (a.dim, a.transposed, a.batch_dims) != (b.dim, b.transposed, b.batch_dims):
+        return False
+    cut_a, cut_b = (a.groups, tuple(a.sizes)), (b.groups, tuple(b.sizes))
+    return cut_a == cut_b or _row_labels(*cut_a) == _row_labels(*cut_b)  # (equal cuts: no labels to make)
 
 
 def disagreements(inferred: Mapping[str, Inferred], claimed: Mapping[str, Layout]) -> list[tuple[str, str]]:

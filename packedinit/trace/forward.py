@@ -27,6 +27,7 @@ from torch import nn
 from packedinit.errors import PackedInitError
 from packedinit.layout import Layout
 from packedinit.trace.compare import layout_of_labels
+from packedinit.trace.known import observed
 from packedinit.trace.rows import WeightRows, blocks_of
 from packedinit.trace.tracer import Tracer
 from packedinit.trace.twin import run_read_only
@@ -85,7 +86,7 @@ def trace_layouts(
         if eval_mode:
             twin.eval()
         tracer = Tracer({id(p): (n, p) for n, p in twin.named_parameters() if p.dim() >= 2})
-        with tracer:
+        with observed(tracer, tracer.observe):  # one mode with the twin's known values where they are there
             twin(*args, **kwargs)
         return tracer
 

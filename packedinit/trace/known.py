@@ -12,11 +12,16 @@ meta tensors are answered from their shapes (:mod:`packedinit.trace.quick`) inst
 
 The known values are copies of the inputs and results of factory calls: the model, its weights and buffers,
 and the caller's inputs are never read or written through them.
+
+The forward tracer rides in this mode (:func:`observed`): told of each op after it ran, it costs no second
+mode on the stack, so no second Python dispatch per op of the forward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -25,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from packedinit.trace.quick import quick_meta
 
-__all__ = ["KnownValues"]
+__all__ = ["KnownValues", "Observe", "observed"]
 
 #: factory functions whose result on the meta device is known from their arguments alone
 _FACTORIES = frozenset({"arange", "zeros", "ones", "full", "eye", "linspace", "tensor", "as_tensor", "tril_indices"})
@@ -56,6 +61,34 @@ def _small(out: Any) -> bool:
     return True
 
 
+#: told of one op after it ran: ``(func, args, kwargs, result)``
+Observe = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any], Any], None]
+
+
+class _Active(threading.local):
+    now: KnownValues | None = None
+
+
+_ACTIVE = _Active()
+
+
+@contextmanager
+def observed(mode: TorchFunctionMode, observe: Observe) -> Iterator[None]:
+    """Tell ``observe`` (``mode``'s own handler after the op) of every op of the code inside: as the observer of this
+    thread's innermost :class:`KnownValues` (one mode on the stack instead of two: one dispatch per op), else
+    with ``mode`` entered."""
+    known = _ACTIVE.now
+    if known is None or known.observer is not None:
+        with mode:
+            yield
+        return
+    known.observer = observe
+    try:
+        yield
+    finally:
+        known.observer = None
+
+
 class KnownValues(TorchFunctionMode):
     """Keeps the values of the meta tensors computed from known ones only, and answers value reads from them.
 
@@ -74,6 +107,18 @@ class KnownValues(TorchFunctionMode):
     def __init__(self, known: list[tuple[Tensor, Tensor]]) -> None:
         super().__init__()
         self.values: dict[int, tuple[Tensor, Tensor]] = {id(m): (m, v) for m, v in known if v.numel() <= _MAX_NUMEL}
+        #: told of every op after it ran, with its result (see :func:`observed`)
+        self.observer: Observe | None = None
+        self._outer: KnownValues | None = None
+
+    def __enter__(self) -> KnownValues:
+        self._outer, _ACTIVE.now = _ACTIVE.now, self
+        super().__enter__()  # type: ignore[no-untyped-call]  # torch stub
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.now = self._outer
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]  # torch stub
 
     def _value(self, t: Tensor) -> Tensor | None:
         kept = self.values.get(id(t))
@@ -115,6 +160,17 @@ class KnownValues(TorchFunctionMode):
         except Exception:  # the values cannot say it either (devices mixed, an op only meta has): unknown
             return None, False
 
+    def _reads_known(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether a tensor argument (not one in a list) holds known values: only then can the op's result have
+        them (:meth:`_on_values` reads no other), or an in-place op drop them (``out=`` included)."""
+        values = self.values
+        if not values:
+            return False
+        for a in args:
+            if isinstance(a, Tensor) and id(a) in values:
+                return True
+        return any(isinstance(a, Tensor) and id(a) in values for a in kwargs.values()) if kwargs else False
+
     def _keep(self, out: Any, value: Any) -> None:
         if isinstance(out, Tensor) and isinstance(value, Tensor):
             if out.is_meta and value.device == _CPU and value.shape == out.shape and value.numel() <= _MAX_NUMEL:
@@ -136,6 +192,12 @@ class KnownValues(TorchFunctionMode):
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        out = self._run(func, args, kwargs)
+        if self.observer is not None:
+            self.observer(func, args, kwargs, out)
+        return out
+
+    def _run(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
             out = quick_meta(func, args, kwargs)
             if out is None:
@@ -147,13 +209,14 @@ class KnownValues(TorchFunctionMode):
             out = self._mirror(value)
             self._keep(out, value)
             return out
-        if self.values or getattr(func, "__name__", "") in _FACTORIES:
-            value, ok = self._on_values(func, args, kwargs) if _small(out) else (None, False)
-            if ok:
-                self._keep(out, value)
-            else:  # written in place from something unknown (add_, x[i] = w, out=): its values are unknown now
-                written = args[0] if args and _in_place(getattr(func, "__name__", "")) else None
-                for t in (out, written, kwargs.get("out")):
-                    if isinstance(t, Tensor) and id(t) in self.values:
-                        del self.values[id(t)]
+        if not self._reads_known(args, kwargs) and getattr(func, "__name__", "") not in _FACTORIES:
+            return out  # no argument of known values (most ops: of a weight): nothing to compute, nothing to drop
+        value, ok = self._on_values(func, args, kwargs) if _small(out) else (None, False)
+        if ok:
+            self._keep(out, value)
+        else:  # written in place from something unknown (add_, x[i] = w, out=): its values are unknown now
+            written = args[0] if args and _in_place(getattr(func, "__name__", "")) else None
+            for t in (out, written, kwargs.get("out")):
+                if isinstance(t, Tensor) and id(t) in self.values:
+                    del self.values[id(t)]
         return out

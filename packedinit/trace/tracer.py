@@ -198,12 +198,16 @@ class Tracer(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.observe(func, args, kwargs, out)
+        return out
+
+    def observe(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Follow one op of the forward that gave ``out`` (as a mode, or told by :func:`~.known.observed`)."""
         if not self._touches(args) and not (kwargs and self._touches(kwargs.values())):
-            return out  # no weight, no view of one, no labelled output among the inputs: nothing to follow
+            return  # no weight, no view of one, no labelled output among the inputs: nothing to follow
         # a label we cannot carry through this op: that path is simply not followed
         with contextlib.suppress(RuntimeError, TypeError, ValueError, IndexError), torch_function_off():
             self._follow(func, args, kwargs, out)  # plain torch: the modes under this one see the forward only
-        return out
 
     def _follow(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         name = _fname(func)
