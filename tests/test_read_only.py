@@ -211,3 +211,56 @@ def test_the_idioms_trace_never_sets_the_models_flags_not_even_for_a_moment() ->
     assert all(who != id(model) for who, _ in _FLAG_WRITES), _FLAG_WRITES
     assert any(flag is False for _, flag in _FLAG_WRITES)  # the twin was put in eval mode
     assert model.training
+
+
+class _Pickles(nn.Linear):
+    """Copies itself its own way: the twin takes deepcopy's path for it (and its tensors are still meta)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["copied_its_way"] = True
+        return state
+
+
+class _Holder(nn.Module):
+    """A shared child, a module kept in a plain list, a tied weight, a non-empty config-like dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(E, E)
+        self.b = nn.Sequential(self.a, _Pickles(E, E))
+        self.out = nn.Linear(E, E)
+        self.out.weight = self.a.weight
+        self.kept = [self.out]
+        self.settings = {"scale": 2.0, "names": ["q", "k"]}
+
+
+def test_the_meta_twin_is_the_deep_copy_deepcopy_makes_with_every_tensor_on_meta() -> None:
+    from packedinit.trace.twin import meta_twin
+
+    model = _Holder()
+    model.out._compiled_call_impl = model.out._call_impl  # what .compile() sets: dropped, as deepcopy drops it
+    twin = meta_twin(model)
+    assert type(twin) is _Holder
+    assert twin is not model
+    assert twin.b[0] is twin.a
+    assert twin.kept[0] is twin.out
+    assert twin.out.weight is twin.a.weight
+    assert twin.a is not model.a
+    assert twin.kept is not model.kept
+    assert twin.settings == model.settings
+    assert twin.settings is not model.settings
+    assert twin.settings["names"] is not model.settings["names"]
+    assert getattr(twin.b[1], "copied_its_way", False)
+    assert not getattr(model.b[1], "copied_its_way", False)
+    assert "_compiled_call_impl" not in vars(twin.out)
+    assert "_compiled_call_impl" in vars(model.out)
+    for (n, p), (m, q) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
+        assert n == m
+        assert q.device.type == "meta"
+        assert p.device.type == "cpu"
+        assert q.shape == p.shape
+        assert isinstance(q, nn.Parameter)
+        assert q.requires_grad == p.requires_grad
+    twin.a._forward_hooks[0] = print  # the twin's hook dicts are its own
+    assert not model.a._forward_hooks

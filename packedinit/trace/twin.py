@@ -15,8 +15,10 @@ were too.
 from __future__ import annotations
 
 import copy
+import copyreg
 import random
 import sys
+import types
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -104,7 +106,10 @@ def meta_twin(model: nn.Module) -> nn.Module:
         >>> twin.weight.device.type, twin.weight.shape, twin.weight is lin.weight
         ('meta', torch.Size([3, 4]), False)
     """
+    # deepcopy with a memo: every tensor, empty container and plain module made here first; a plain module's
+    # __dict__ copied here as deepcopy would copy it (its generic protocol and per-value calls cost most of a copy)
     memo: dict[int, Any] = {}
+    shells: list[tuple[nn.Module, nn.Module]] = []
     for module in model.modules():
         for value in (*param_dict(module).values(), *buffer_dict(module).values(), *vars(module).values()):
             if isinstance(value, Tensor):
@@ -112,11 +117,53 @@ def meta_twin(model: nn.Module) -> nn.Module:
                     memo[id(value)] = _meta(value)
             elif type(value) in _EMPTY and not value:  # what deepcopy makes of it, without its reduce protocol:
                 memo[id(value)] = type(value)()  # a module's many empty hook dicts cost most of a copy
-    return copy.deepcopy(model, memo)
+        cls = type(module)
+        if _pickled_as_module(cls):  # what deepcopy does for it, without its generic protocol (below)
+            memo[id(module)] = shell = cls.__new__(cls)
+            shells.append((module, shell))
+    for module, shell in shells:  # every module's twin exists now: children and references find theirs in memo
+        state = {k: _copied(v, memo) for k, v in vars(module).items() if k != "_compiled_call_impl"}
+        nn.Module.__setstate__(shell, state)  # type: ignore[no-untyped-call]  # torch stub
+    return copy.deepcopy(model, memo)  # the root's twin from memo (or copied here, if its class pickles itself)
 
 
 #: container types whose empty instances the twin gets as new empty ones directly (exact types only)
 _EMPTY = (dict, OrderedDict, set, list)
+#: types deepcopy returns as they are
+_ATOMIC = frozenset({type(None), bool, int, float, complex, str, bytes, type, types.FunctionType, range})
+
+
+def _copied(value: Any, memo: dict[int, Any]) -> Any:
+    """``copy.deepcopy(value, memo)``, without its call for what it returns as is or has made already."""
+    if type(value) in _ATOMIC:
+        return value
+    made = memo.get(id(value), memo)  # (memo itself: not there; a value deepcopy made may be falsy)
+    if made is not memo:
+        return made
+    if type(value) is dict:  # a module's _parameters, _buffers, _modules: as deepcopy copies a dict
+        out: dict[Any, Any] = {}
+        memo[id(value)] = out
+        for k, v in value.items():
+            out[_copied(k, memo)] = _copied(v, memo)
+        return out
+    return copy.deepcopy(value, memo)
+
+
+def _pickled_as_module(cls: type) -> bool:
+    """Whether ``copy.deepcopy`` copies an instance of ``cls`` as it copies a plain ``nn.Module``: a new object
+    whose ``__dict__``, less ``_compiled_call_impl``, is deep-copied and handed to ``nn.Module.__setstate__``."""
+    return (
+        getattr(cls, "__deepcopy__", None) is None
+        and cls not in copyreg.dispatch_table
+        and all(getattr(cls, name) is getattr(base, name) for name, base in _MODULE_PROTOCOL)
+    )
+
+
+#: where ``copy.deepcopy`` of a plain module finds how to copy it
+_MODULE_PROTOCOL = (
+    ("__reduce_ex__", object), ("__reduce__", object), ("__new__", object),
+    ("__getstate__", nn.Module), ("__setstate__", nn.Module),
+)  # fmt: skip
 
 
 def run_read_only(
