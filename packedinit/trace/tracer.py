@@ -102,6 +102,8 @@ class Tracer(TorchFunctionMode):
         # tensor by where it lies in memory (the tensor is held, so that memory is not reused meanwhile)
         self._aranges: dict[int, Tensor] = {}
         self._rows: dict[tuple[object, ...], tuple[Tensor, frozenset[int]]] = {}
+        self._coords: dict[tuple[int, ...], tuple[Tensor, Tensor]] = {}  # a weight's (rows, cols), by shape
+        self._views: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}  # _line / _along results, by geometry
 
     def _arange(self, n: int) -> Tensor:
         kept = self._aranges.get(n)
@@ -133,9 +135,11 @@ class Tracer(TorchFunctionMode):
         if held is None or held[1] is not t:
             return None
         shape = tuple(t.shape)
-        rows = self._arange(shape[-2]).view(-1, 1).expand(shape)
-        cols = self._arange(shape[-1]).expand(shape)
-        ref = _Ref(held[0], rows, cols, (shape[-2], shape[-1]), len(shape) - 2)
+        coords = self._coords.get(shape)
+        if coords is None:
+            rows = self._arange(shape[-2]).view(-1, 1).expand(shape)
+            coords = self._coords[shape] = (rows, self._arange(shape[-1]).expand(shape))
+        ref = _Ref(held[0], coords[0], coords[1], (shape[-2], shape[-1]), len(shape) - 2)
         self.refs[id(t)] = (t, ref)
         return ref
 
@@ -151,9 +155,37 @@ class Tracer(TorchFunctionMode):
             if kept:
                 self.labels[id(out)] = (out, kept)
 
+    def _geometry(self, t: Tensor, *more: object) -> tuple[object, ...]:
+        """Where a label tensor lies in memory, and how: equal for equal numbers (labels are never written)."""
+        return (t.data_ptr(), t.storage_offset(), t.shape, t.stride(), *more)
+
+    def _every_row(self, line: Tensor, rows: int) -> bool:
+        """Whether a 1-D line of coordinates is the whole ``arange(rows)`` itself (a weight used unsliced)."""
+        whole = self._aranges.get(rows)
+        return (
+            whole is not None and line.shape == whole.shape and line.stride() == (1,) and line.storage_offset() == 0
+            and line.data_ptr() == whole.data_ptr()
+        )  # fmt: skip
+
+    def _line(self, coords: Tensor, axis: int) -> Tensor:
+        """:func:`_line`, once per coordinate tensor and axis (repeated layers read equal coordinates)."""
+        key = self._geometry(coords, "line", axis)
+        kept = self._views.get(key)
+        if kept is None:
+            kept = self._views[key] = (coords, _line(coords, axis))
+        return kept[1]
+
+    def _along(self, out: Tensor, axis: int, values: Tensor) -> Tensor:
+        """:func:`_along`, once per values tensor, shape and axis."""
+        key = self._geometry(values, "along", out.shape, axis)
+        kept = self._views.get(key)
+        if kept is None:
+            kept = self._views[key] = (values, _along(out, axis, values))
+        return kept[1]
+
     def _project(self, out: Tensor, ref: _Ref, feature: int, axis: int, use: str) -> None:
         """``out``'s ``axis`` holds the projection's features: the handed weight view's ``feature`` axis."""
-        rows, cols = _line(ref.rows, feature), _line(ref.cols, feature)
+        rows, cols = self._line(ref.rows, feature), self._line(ref.cols, feature)
         along_rows = ref.rows.stride(feature) != 0 or (ref.rows.shape[feature] == 1 and use == "linear")
         storage = 0 if along_rows else 1
         labels = rows if along_rows else cols
@@ -164,10 +196,11 @@ class Tracer(TorchFunctionMode):
         w.uses.add(use)
         if w.dim != storage:
             return  # the same weight read along its other dim too (a tied embedding): keep the first
-        seen = self._distinct(labels, flat=True)
-        if len(seen) < w.rows:
-            w.pieces.append(seen)  # a slice of the weight projected on its own is one piece
-        self._tag(out, ((ref.name, _along(out, axis, labels)),))
+        if not self._every_row(labels, w.rows):
+            seen = self._distinct(labels, flat=True)
+            if len(seen) < w.rows:
+                w.pieces.append(seen)  # a slice of the weight projected on its own is one piece
+        self._tag(out, ((ref.name, self._along(out, axis, labels)),))
 
     def _piece(self, weight: str, parent: Tensor | frozenset[int], child: Tensor) -> frozenset[int]:
         """Record ``child``'s rows as a piece where they are fewer than ``parent``'s; returns ``parent``'s rows."""
@@ -274,8 +307,10 @@ class Tracer(TorchFunctionMode):
                 w.merges.append((len(w.pieces), frozenset((a, b)), False))
 
     def _elementwise(self, name: str, args: tuple[Any, ...], entries: Entries, out: Tensor) -> None:
-        mine = {w: lab.expand(out.shape) for w, lab in entries}
-        for weight, theirs in ((w, lab.expand(out.shape)) for a in args[1:] for w, lab in self._label(a)):
+        shape = out.shape  # (a label of the result's shape already is its own expansion: no new view for it)
+        mine = {w: lab if lab.shape == shape else lab.expand(shape) for w, lab in entries}
+        for weight, theirs in ((w, lab if lab.shape == shape else lab.expand(shape))
+                               for a in args[1:] for w, lab in self._label(a)):  # fmt: skip
             if weight not in mine:
                 if name not in _SUMS:
                     return  # different weights multiplied (a gate times a value): not followed further
