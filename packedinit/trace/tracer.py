@@ -20,7 +20,8 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from packedinit.torch_compat import GROUPED_MM_NAMES, torch_function_off
-from packedinit.trace.rows import WeightRows, compact, pairs_of, rows_of
+from packedinit.trace.coords import Coords, along
+from packedinit.trace.rows import WeightRows, compact, pairs_of
 
 __all__ = ["Tracer"]
 
@@ -66,15 +67,6 @@ def _fname(func: Callable[..., Any]) -> str:
     return name.split(".")[0]  # an OpOverload: "grouped_mm_fallback.default"
 
 
-def _line(coords: Tensor, axis: int) -> Tensor:
-    """The coordinates along one axis (all others at 0)."""
-    return coords[tuple(slice(None) if i == axis % coords.dim() else 0 for i in range(coords.dim()))]
-
-
-def _along(out: Tensor, axis: int, values: Tensor) -> Tensor:
-    return values.view([-1 if i == axis % out.dim() else 1 for i in range(out.dim())]).expand(out.shape)
-
-
 def _meta_index(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether an index tensor in ``args``/``kwargs`` is on meta: its values are unknown, so are the rows it picks."""
     todo: list[Any] = [*args, *kwargs.values()]
@@ -98,31 +90,7 @@ class Tracer(TorchFunctionMode):
         self.refs: dict[int, tuple[Tensor, _Ref]] = {}
         self.labels: dict[int, tuple[Tensor, Entries]] = {}
         self.embedded: set[str] = set()
-        # repeated layers read equal coordinates: one arange per size, and the distinct rows of a label
-        # tensor by where it lies in memory (the tensor is held, so that memory is not reused meanwhile)
-        self._aranges: dict[int, Tensor] = {}
-        self._rows: dict[tuple[object, ...], tuple[Tensor, frozenset[int]]] = {}
-        self._coords: dict[tuple[int, ...], tuple[Tensor, Tensor]] = {}  # a weight's (rows, cols), by shape
-        self._views: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}  # _line / _along results, by geometry
-
-    def _arange(self, n: int) -> Tensor:
-        kept = self._aranges.get(n)
-        if kept is None:
-            kept = self._aranges[n] = torch.arange(n)
-        return kept
-
-    def _distinct(self, labels: Tensor, *, flat: bool = False) -> frozenset[int]:
-        """:func:`~packedinit.trace.rows.rows_of` (``flat``: of a 1-D line of coordinates), once per labelling.
-
-        Label tensors are never written in place (every op on them makes a new tensor or a view), so
-        the same memory, shape and strides hold the same numbers while the tensor is alive.
-        """
-        key = (labels.data_ptr(), labels.storage_offset(), tuple(labels.shape), labels.stride(), flat)
-        kept = self._rows.get(key)
-        if kept is None:
-            rows = frozenset(labels.tolist()) if flat else rows_of(labels)
-            kept = self._rows[key] = (labels, rows)
-        return kept[1]
+        self.coords = Coords()  # label and coordinate tensors, made once per geometry (repeated layers)
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _ref(self, t: object) -> _Ref | None:
@@ -135,11 +103,8 @@ class Tracer(TorchFunctionMode):
         if held is None or held[1] is not t:
             return None
         shape = tuple(t.shape)
-        coords = self._coords.get(shape)
-        if coords is None:
-            rows = self._arange(shape[-2]).view(-1, 1).expand(shape)
-            coords = self._coords[shape] = (rows, self._arange(shape[-1]).expand(shape))
-        ref = _Ref(held[0], coords[0], coords[1], (shape[-2], shape[-1]), len(shape) - 2)
+        rows, cols = self.coords.of_weight(shape)
+        ref = _Ref(held[0], rows, cols, (shape[-2], shape[-1]), len(shape) - 2)
         self.refs[id(t)] = (t, ref)
         return ref
 
@@ -155,37 +120,9 @@ class Tracer(TorchFunctionMode):
             if kept:
                 self.labels[id(out)] = (out, kept)
 
-    def _geometry(self, t: Tensor, *more: object) -> tuple[object, ...]:
-        """Where a label tensor lies in memory, and how: equal for equal numbers (labels are never written)."""
-        return (t.data_ptr(), t.storage_offset(), t.shape, t.stride(), *more)
-
-    def _every_row(self, line: Tensor, rows: int) -> bool:
-        """Whether a 1-D line of coordinates is the whole ``arange(rows)`` itself (a weight used unsliced)."""
-        whole = self._aranges.get(rows)
-        return (
-            whole is not None and line.shape == whole.shape and line.stride() == (1,) and line.storage_offset() == 0
-            and line.data_ptr() == whole.data_ptr()
-        )  # fmt: skip
-
-    def _line(self, coords: Tensor, axis: int) -> Tensor:
-        """:func:`_line`, once per coordinate tensor and axis (repeated layers read equal coordinates)."""
-        key = self._geometry(coords, "line", axis)
-        kept = self._views.get(key)
-        if kept is None:
-            kept = self._views[key] = (coords, _line(coords, axis))
-        return kept[1]
-
-    def _along(self, out: Tensor, axis: int, values: Tensor) -> Tensor:
-        """:func:`_along`, once per values tensor, shape and axis."""
-        key = self._geometry(values, "along", out.shape, axis)
-        kept = self._views.get(key)
-        if kept is None:
-            kept = self._views[key] = (values, _along(out, axis, values))
-        return kept[1]
-
     def _project(self, out: Tensor, ref: _Ref, feature: int, axis: int, use: str) -> None:
         """``out``'s ``axis`` holds the projection's features: the handed weight view's ``feature`` axis."""
-        rows, cols = self._line(ref.rows, feature), self._line(ref.cols, feature)
+        rows, cols = self.coords.line(ref.rows, feature), self.coords.line(ref.cols, feature)
         along_rows = ref.rows.stride(feature) != 0 or (ref.rows.shape[feature] == 1 and use == "linear")
         storage = 0 if along_rows else 1
         labels = rows if along_rows else cols
@@ -196,16 +133,16 @@ class Tracer(TorchFunctionMode):
         w.uses.add(use)
         if w.dim != storage:
             return  # the same weight read along its other dim too (a tied embedding): keep the first
-        if not self._every_row(labels, w.rows):
-            seen = self._distinct(labels, flat=True)
+        if not self.coords.every_row(labels, w.rows):
+            seen = self.coords.distinct(labels, flat=True)
             if len(seen) < w.rows:
                 w.pieces.append(seen)  # a slice of the weight projected on its own is one piece
-        self._tag(out, ((ref.name, self._along(out, axis, labels)),))
+        self._tag(out, ((ref.name, self.coords.along(out, axis, labels)),))
 
     def _piece(self, weight: str, parent: Tensor | frozenset[int], child: Tensor) -> frozenset[int]:
         """Record ``child``'s rows as a piece where they are fewer than ``parent``'s; returns ``parent``'s rows."""
-        rows = self._distinct(child)
-        whole = self._distinct(parent) if isinstance(parent, Tensor) else parent
+        rows = self.coords.distinct(child)
+        whole = self.coords.distinct(parent) if isinstance(parent, Tensor) else parent
         if rows and rows != whole:
             self.weights[weight].pieces.append(rows)
         return whole
@@ -318,7 +255,7 @@ class Tracer(TorchFunctionMode):
                 continue
             if torch.equal(*compact(theirs, mine[weight])):
                 continue
-            if name not in _SUMS and self._distinct(theirs) != self._distinct(mine[weight]):
+            if name not in _SUMS and self.coords.distinct(theirs) != self.coords.distinct(mine[weight]):
                 return  # different features multiplied (a gate times a value): not followed further
             # features of one weight summed (rotary: x1 * cos - x2 * sin), or the same rows in another
             # order combined (x * cos + rotate_half(x) * sin): they are one block
@@ -391,7 +328,7 @@ class Tracer(TorchFunctionMode):
         result = out[0] if isinstance(out, (tuple, list)) and out else out
         proj = self._ref(given.get("out_proj_weight"))
         if isinstance(result, Tensor) and proj is not None:
-            self._tag(result, ((proj.name, _along(result, -1, torch.arange(proj.size[0]))),))
+            self._tag(result, ((proj.name, along(result, -1, torch.arange(proj.size[0]))),))
 
     def _conv(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Tensor) -> None:
         first = args[0] if args else None
@@ -403,11 +340,11 @@ class Tracer(TorchFunctionMode):
             held = self.weights.setdefault(wref.name, WeightRows(wref.name, rows, 0, False, 0))
             held.uses.add("conv")
             if groups == 1:
-                self._tag(out, ((wref.name, _along(out, 1, torch.arange(rows))),))
+                self._tag(out, ((wref.name, along(out, 1, torch.arange(rows))),))
                 return
         entries = self._label(first)  # a grouped conv: each channel on its own; depthwise: channel c stays c
         if entries and isinstance(first, Tensor) and groups == out.shape[1] == first.shape[1]:
-            chans = tuple((w, _along(out, 1, lab.movedim(1, 0).reshape(out.shape[1], -1)[:, 0])) for w, lab in entries)
+            chans = tuple((w, along(out, 1, lab.movedim(1, 0).reshape(out.shape[1], -1)[:, 0])) for w, lab in entries)
             self._tag(out, chans)
 
     def _cat(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -416,7 +353,7 @@ class Tracer(TorchFunctionMode):
         by_weight: dict[str, set[int]] = {}
         for entries in labs:
             for weight, lab in entries:
-                by_weight.setdefault(weight, set()).update(self._distinct(lab))
+                by_weight.setdefault(weight, set()).update(self.coords.distinct(lab))
         for weight, rows in by_weight.items():
             if sum(1 for entries in labs for w, _ in entries if w == weight) > 1:
                 w = self.weights[weight]
