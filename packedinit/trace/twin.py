@@ -122,7 +122,7 @@ def meta_twin(model: nn.Module) -> nn.Module:
             memo[id(module)] = shell = cls.__new__(cls)
             shells.append((module, shell))
     for module, shell in shells:  # every module's twin exists now: children and references find theirs in memo
-        state = {k: _copied(v, memo) for k, v in vars(module).items() if k != "_compiled_call_impl"}
+        state = {k: _copied(v, memo) for k, v in nn.Module.__getstate__(module).items()}  # type: ignore[no-untyped-call]
         nn.Module.__setstate__(shell, state)  # type: ignore[no-untyped-call]  # torch stub
     return copy.deepcopy(model, memo)  # the root's twin from memo (or copied here, if its class pickles itself)
 
@@ -151,7 +151,8 @@ def _copied(value: Any, memo: dict[int, Any]) -> Any:
 
 def _pickled_as_module(cls: type) -> bool:
     """Whether ``copy.deepcopy`` copies an instance of ``cls`` as it copies a plain ``nn.Module``: a new object
-    whose ``__dict__``, less ``_compiled_call_impl``, is deep-copied and handed to ``nn.Module.__setstate__``."""
+    whose ``nn.Module.__getstate__()`` (its ``__dict__``, less a compiled call) is deep-copied and handed to
+    ``nn.Module.__setstate__``."""
     return (
         getattr(cls, "__deepcopy__", None) is None
         and cls not in copyreg.dispatch_table
