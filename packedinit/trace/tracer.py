@@ -328,7 +328,7 @@ class Tracer(TorchFunctionMode):
         result = out[0] if isinstance(out, (tuple, list)) and out else out
         proj = self._ref(given.get("out_proj_weight"))
         if isinstance(result, Tensor) and proj is not None:
-            self._tag(result, ((proj.name, along(result, -1, torch.arange(proj.size[0]))),))
+            self._tag(result, ((proj.name, self.coords.along(result, -1, self.coords.arange(proj.size[0]))),))
 
     def _conv(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Tensor) -> None:
         first = args[0] if args else None
@@ -340,7 +340,7 @@ class Tracer(TorchFunctionMode):
             held = self.weights.setdefault(wref.name, WeightRows(wref.name, rows, 0, False, 0))
             held.uses.add("conv")
             if groups == 1:
-                self._tag(out, ((wref.name, along(out, 1, torch.arange(rows))),))
+                self._tag(out, ((wref.name, self.coords.along(out, 1, self.coords.arange(rows))),))
                 return
         entries = self._label(first)  # a grouped conv: each channel on its own; depthwise: channel c stays c
         if entries and isinstance(first, Tensor) and groups == out.shape[1] == first.shape[1]:
