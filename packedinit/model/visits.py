@@ -31,9 +31,9 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from packedinit.torch_compat import param_dict
+from packedinit.torch_compat import module_dict, param_dict
 
-__all__ = ["later_writes", "end_traversal"]
+__all__ = ["later_writes", "end_traversal", "visit_order"]
 
 _APPLY = nn.Module.apply
 _NONE: frozenset[int] = frozenset()
@@ -60,15 +60,22 @@ class _Pass:
 
     __slots__ = ("last", "pos", "rest", "root")
 
-    def __init__(self, root: nn.Module, rest: list[nn.Module]) -> None:
+    def __init__(self, root: nn.Module, first: nn.Module, rest: list[nn.Module]) -> None:
         self.root = weakref.ref(root)
         self.rest = [weakref.ref(m) for m in rest]
         self.pos = 0  # the index in ``rest`` of the visit expected next
-        self.last: dict[int, int] = {}
+        #: the last visit of each parameter that more than one visit holds (``first``'s: before every one)
+        last: dict[int, int] = {}
+        seen = {id(p) for p in param_dict(first).values() if p is not None}
         for i, m in enumerate(rest):
             for p in param_dict(m).values():
-                if p is not None and p.dim() >= 2:
-                    self.last[id(p)] = i
+                if p is not None:  # (a shared one under two dims only costs _after a look: it is never written)
+                    k = id(p)
+                    if k in seen:
+                        last[k] = i
+                    else:
+                        seen.add(k)
+        self.last = last
 
 
 class _Local(threading.local):
@@ -86,11 +93,18 @@ def _subtree(m: nn.Module, out: list[nn.Module]) -> bool:
     """Append ``m``'s visits (children first) to ``out``; False where a module there overrides ``apply``."""
     if not _plain(m):
         return False
-    for child in m.children():
-        if not _subtree(child, out):
-            return False
+    if module_dict(m):  # (a leaf has no children to ask for: nn.Module.children() walks only this dict)
+        for child in m.children():
+            if not _subtree(child, out):
+                return False
     out.append(m)
     return True
+
+
+def visit_order(root: nn.Module) -> list[nn.Module] | None:
+    """Every module ``root.apply(fn)`` calls ``fn`` on, in that order; None where one of them overrides ``apply``."""
+    out: list[nn.Module] = []
+    return out if _subtree(root, out) else None
 
 
 def _rest(module: nn.Module, ancestors: Sequence[nn.Module]) -> list[nn.Module] | None:
@@ -126,6 +140,8 @@ def later_writes(module: nn.Module, ancestors: Sequence[nn.Module]) -> frozenset
     if not ancestors:  # the root: the last visit of its traversal
         _STATE.now = None
         return _NONE
+    if st is not None and not st.last:  # a traversal in which no parameter is held by two visits
+        return _NONE
     if not _held(param_dict(module).values(), _SOLO) or torch.compiler.is_compiling():
         return _NONE
     return _start(module, ancestors) if st is None else _after(st, module, at)
@@ -136,7 +152,7 @@ def _start(module: nn.Module, ancestors: Sequence[nn.Module]) -> frozenset[int]:
     rest = _rest(module, ancestors)
     if rest is None:
         return _NONE
-    st = _STATE.now = _Pass(ancestors[-1], rest)
+    st = _STATE.now = _Pass(ancestors[-1], module, rest)
     return _after(st, module, -1)
 
 
