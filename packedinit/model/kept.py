@@ -27,7 +27,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -38,21 +38,27 @@ from packedinit.model.changes import NOW
 from packedinit.model.steps import call_key
 from packedinit.torch_compat import module_dict, param_dict
 
-__all__ = ["world", "apply_kept", "keep_apply", "tree_kept", "keep_tree"]
+__all__ = ["world", "apply_kept", "keep_apply", "kept_writes", "tree_kept", "keep_tree", "node", "same_node", "changed"]
 
+_T = TypeVar("_T")
 _MAX = 1 << 16  # kept module decisions; all dropped when full
 _Meta: TypeAlias = tuple[object, ...]
 #: a parameter of a kept module: (weakref or None, meta or None, route, label); meta None: not written
 _Own: TypeAlias = "tuple[weakref.ref[Tensor] | None, _Meta | None, int, str]"
 #: a kept module decision: (module, type, ancestors' types, root, call key, inference mode, world, parameter
-#: names, parameters)
-_Visit: TypeAlias = "tuple[weakref.ref[nn.Module], type, tuple[type, ...], weakref.ref[nn.Module], tuple[object, ...], bool, int, tuple[str, ...], tuple[_Own, ...]]"  # noqa: E501
+#: names), then each parameter's four _Own fields, in one tuple (a visit reads one object, not one per parameter)
+_Visit: TypeAlias = tuple[Any, ...]
+_HEAD = 8  # the fields before the parameters' in a _Visit
 #: a module of a kept tree: (module, type, child names, child ids, parameter names, parameter refs, low-dim flags)
 _Node: TypeAlias = "tuple[weakref.ref[nn.Module], type, tuple[str, ...], tuple[int, ...], tuple[str, ...], tuple[weakref.ref[Tensor] | None, ...], tuple[bool, ...]]"  # noqa: E501
 #: a write of a kept tree: (parameter, meta, route, name)
 _Write: TypeAlias = "tuple[weakref.ref[Tensor], _Meta, int, str | None]"
 
 _APPLY: dict[int, _Visit] = {}
+#: One object for each equal part of the kept decisions (their names, types, calls, shapes): 2,000 equal layers
+#: read the same few objects on every visit, not 2,000 copies scattered in memory. All dropped when full.
+_SHARED: dict[object, Any] = {}
+_NOT_WRITTEN: _Own = (None, None, 0, "")
 _TRIED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[object, ...], int]] = weakref.WeakKeyDictionary()
 _TREE: weakref.WeakKeyDictionary[
     nn.Module, tuple[tuple[object, ...], bool, int, tuple[_Node, ...], tuple[_Write, ...]]
@@ -70,6 +76,28 @@ def _meta(p: Tensor) -> _Meta:
     return (p.size(), p.stride(), p.dtype, p.device, p.is_inference())
 
 
+def changed(p: Tensor, meta: _Meta) -> bool:
+    """Whether ``p`` is no longer as :func:`_meta` read it (each part read only while the ones before agree)."""
+    size, stride, dtype, device, inference = meta
+    return (
+        p.size() != size
+        or p.stride() != stride
+        or p.dtype is not dtype
+        or p.device != device
+        or p.is_inference() is not inference
+    )
+
+
+def _one(value: _T) -> _T:
+    """The object kept for values equal to ``value`` (``value`` itself the first time, or where unhashable)."""
+    if len(_SHARED) >= _MAX:
+        _SHARED.clear()
+    try:
+        return _SHARED.setdefault(value, value)  # type: ignore[no-any-return]
+    except TypeError:
+        return value
+
+
 def _refused(p: Tensor, mode: bool) -> bool:
     """An inference tensor outside inference mode: lean_call refuses it on every call (never kept)."""
     return p.is_inference() and not mode
@@ -78,10 +106,6 @@ def _refused(p: Tensor, mode: bool) -> bool:
 def _undescribed(modules: Iterable[nn.Module]) -> bool:
     """No adapter for any of ``modules``' types and no annotation on any of them."""
     return all(registry.lookup(type(m)) is None and not marks.has_annotations(m) for m in modules)
-
-
-def _same(ref: Callable[[], object], p: Tensor) -> bool:
-    return ref() is p
 
 
 def apply_kept(
@@ -99,32 +123,64 @@ def apply_kept(
     kept = _APPLY.get(id(module))
     if kept is None:
         return False
-    ref, cls, kinds, root, head, mode, was, names, params = kept
-    own = param_dict(module)
+    ref, cls, kinds, root, head, mode, was, names = kept[:_HEAD]
+    own: dict[str, Tensor | None] = param_dict(module)
     if (
         ref() is not module
         or type(module) is not cls
-        or root() is not (ancestors[-1] if ancestors else module)
-        or tuple(own) != names
         or NOW[0] != was
+        or root() is not (ancestors[-1] if ancestors else module)
+        or len(own) != len(names)
         or (head != (init_fn,) if not args and not kwargs else call_key(init_fn, args, kwargs) != head)
-        or ((type(ancestors[0]),) if len(ancestors) == 1 else tuple(map(type, ancestors))) != kinds
+        or (type(ancestors[0]) is not kinds[0] if len(ancestors) == 1 else tuple(map(type, ancestors)) != kinds)
         or torch.is_inference_mode_enabled() is not mode
         or torch.compiler.is_compiling()
     ):
         return False
     writes: list[tuple[Tensor, str | None]] = []
-    for p, (kref, meta, how, label) in zip(own.values(), params, strict=True):
+    at = _HEAD
+    for (name, p), kname in zip(own.items(), names, strict=True):
+        if name != kname:
+            return False
+        kref, meta, how, label = kept[at : at + 4]
+        at += 4
         if meta is None:  # not written: still None or under two dims
             if p is not None and p.dim() >= 2:
                 return False
             continue
-        if p is None or kref is None or _meta(p) != meta or not _same(kref, p):
+        if p is None or kref is None or changed(p, meta) or p is not kref():
             return False
         if how == TORCH and id(p) not in later:  # (else SKIP: a zero-element tensor, nothing to write)
             writes.append((p, label))
     lean_calls(writes, init_fn, args, kwargs)
     return True
+
+
+def kept_writes(
+    module: nn.Module, root: nn.Module, head: tuple[object, ...], was: int, mode: bool
+) -> tuple[_Own, ...] | None:
+    """What the decision kept for ``module`` under ``root`` writes, where it was kept for this call, world and
+    inference mode and its parameters are still those it read; None: no such decision."""
+    kept = _APPLY.get(id(module))
+    if kept is None:
+        return None
+    ref, cls, _, kroot, khead, kmode, kwas, names = kept[:_HEAD]
+    own: dict[str, Tensor | None] = param_dict(module)
+    if ref() is not module or type(module) is not cls or kroot() is not root or kwas != was or kmode is not mode:
+        return None
+    if khead != head or tuple(own) != names:
+        return None
+    out: list[_Own] = []
+    for j, p in enumerate(own.values()):
+        kref, meta, how, label = kept[_HEAD + 4 * j : _HEAD + 4 * j + 4]
+        if meta is None:
+            if p is not None and p.dim() >= 2:
+                return None
+            continue
+        if p is None or kref is None or changed(p, meta) or p is not kref():
+            return None
+        out.append((kref, meta, how, label))
+    return tuple(out)
 
 
 def keep_apply(
@@ -147,9 +203,9 @@ def keep_apply(
         if p is not None and id(p) in hows:
             if _refused(p, mode):
                 return
-            params.append((weakref.ref(p), _meta(p), hows[id(p)], labels[id(p)]))
+            params.append((weakref.ref(p), _one(_meta(p)), hows[id(p)], _one(labels[id(p)])))
         elif p is None or p.dim() < 2:
-            params.append((None, None, 0, ""))
+            params.append(_NOT_WRITTEN)
         else:
             return
     if len(_APPLY) >= _MAX:
@@ -157,17 +213,18 @@ def keep_apply(
     _APPLY[id(module)] = (
         weakref.ref(module),
         type(module),
-        tuple(map(type, ancestors)),
+        _one(tuple(map(type, ancestors))),
         weakref.ref(root),
-        head,
+        _one(head),
         mode,
         was,
-        tuple(own),
-        tuple(params),
+        _one(tuple(own)),
+        *(field for one in params for field in one),
     )
 
 
-def _node(m: nn.Module) -> _Node:
+def node(m: nn.Module) -> _Node:
+    """What :func:`same_node` compares of ``m`` (held weakly): its type, children and parameters."""
     kids, own = module_dict(m), param_dict(m)
     return (
         weakref.ref(m),
@@ -180,8 +237,9 @@ def _node(m: nn.Module) -> _Node:
     )
 
 
-def _same_node(node: _Node) -> bool:
-    ref, cls, names, ids, pnames, prefs, low = node
+def same_node(kept: _Node) -> bool:
+    """Whether the module ``kept`` was read from (:func:`node`) is as it was then: type, children, parameters."""
+    ref, cls, names, ids, pnames, prefs, low = kept
     m = ref()
     if m is None or type(m) is not cls:
         return False
@@ -205,7 +263,7 @@ def tree_kept(
     head, mode, was, nodes, writes = kept
     if world() != was or torch.is_inference_mode_enabled() is not mode or call_key(init_fn, args, kwargs) != head:
         return False
-    if not all(map(_same_node, nodes)):
+    if not all(map(same_node, nodes)):
         return False
     todo: list[tuple[Tensor, str | None]] = []
     for ref, meta, how, name in writes:
@@ -244,4 +302,4 @@ def keep_tree(
     modules = list(model.modules())
     if not _undescribed(modules):
         return
-    _TREE[model] = (head, mode, was, tuple(map(_node, modules)), tuple(writes))
+    _TREE[model] = (head, mode, was, tuple(map(node, modules)), tuple(writes))
