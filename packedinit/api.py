@@ -26,6 +26,7 @@ from packedinit.layout import Layout, fmt_shape, is_int
 from packedinit.model.held import init_held
 from packedinit.model.kept import apply_kept
 from packedinit.model.marks import param_claim
+from packedinit.model.plans import end_plan, keep_plan, plan_visit
 from packedinit.model.visits import end_traversal, later_writes
 from packedinit.model.walk import module_call
 from packedinit.torch_compat import apply_ancestors as frames_from_apply
@@ -309,11 +310,16 @@ def chunked(
                 module_call(target, init_fn, chunks, dim, args, kwargs, ancestors=ancestors)
                 return None
             try:  # a shared parameter is written by the last visit of the traversal that holds it (.visits)
+                if plan_visit(target, ancestors, init_fn, args, kwargs):  # the whole traversal checked at once
+                    return None
                 later = later_writes(target, ancestors)
                 if not apply_kept(target, ancestors, init_fn, args, kwargs, later):
                     module_call(target, init_fn, chunks, dim, args, kwargs, ancestors=ancestors, later=later)
+                if not ancestors:
+                    keep_plan(target, init_fn, args, kwargs)
             except BaseException:
                 end_traversal()
+                end_plan()
                 raise
             return None
         if unset and isinstance(target, nn.Parameter):
