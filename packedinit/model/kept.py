@@ -38,7 +38,7 @@ from packedinit.model.changes import NOW
 from packedinit.model.steps import call_key
 from packedinit.torch_compat import module_dict, param_dict
 
-__all__ = ["world", "apply_kept", "keep_apply", "kept_writes", "tree_kept", "keep_tree", "node", "same_node", "changed"]
+__all__ = ["world", "apply_kept", "keep_apply", "kept_writes", "tree_kept", "keep_tree", "node", "changed"]
 
 _T = TypeVar("_T")
 _MAX = 1 << 16  # kept module decisions; all dropped when full

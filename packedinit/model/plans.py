@@ -33,7 +33,7 @@ from packedinit.engine.direct import DirectDraw, direct_draw
 from packedinit.engine.lean import TORCH, lean_calls
 from packedinit.model import found
 from packedinit.model.changes import NOW
-from packedinit.model.kept import changed, kept_writes, world
+from packedinit.model.kept import changed, kept_writes, node, world
 from packedinit.model.steps import call_key
 from packedinit.model.visits import visit_order
 from packedinit.shapes import fans
@@ -53,16 +53,7 @@ _Node = tuple[Any, ...]
 
 
 def _node(m: nn.Module, metas: Mapping[int, tuple[object, ...]]) -> _Node:
-    kids, own = module_dict(m), param_dict(m)
-    return (
-        weakref.ref(m),
-        type(m),
-        tuple(kids),
-        tuple(map(id, kids.values())),
-        tuple(own),
-        tuple(None if p is None else weakref.ref(p) for p in own.values()),
-        tuple(None if p is None else metas.get(id(p)) for p in own.values()),
-    )
+    return (*node(m)[:6], tuple(None if p is None else metas.get(id(p)) for p in param_dict(m).values()))
 
 
 class _Plan:
