@@ -123,6 +123,15 @@ def an_own_apply(model: nn.Module) -> None:
     inner.apply = types.MethodType(nn.Module.apply, inner)  # type: ignore[method-assign]  # (rebound by deepcopy)
 
 
+class OwnApply(nn.Sequential):
+    pass
+
+
+def a_class_apply(model: nn.Module) -> None:
+    model[1].__class__ = OwnApply
+    OwnApply.apply = lambda self, fn: nn.Module.apply(self, fn)  # type: ignore[method-assign]
+
+
 def annotate(model: nn.Module) -> None:
     packedinit.annotate(model[3], weight=packedinit.Layout(dim=0, sizes=[8, 8]))
 
@@ -133,7 +142,16 @@ def add_a_weight(model: nn.Module) -> None:
 
 @pytest.mark.parametrize(
     "change",
-    [replace_a_layer, change_the_dtype, reshape_through_data, tie_two_more, an_own_apply, annotate, add_a_weight],
+    [
+        replace_a_layer,
+        change_the_dtype,
+        reshape_through_data,
+        tie_two_more,
+        an_own_apply,
+        a_class_apply,
+        annotate,
+        add_a_weight,
+    ],
 )
 def test_a_change_is_seen_before_the_first_write(change: Callable[[nn.Module], None]) -> None:
     model = small()
@@ -193,8 +211,8 @@ def test_threads_each_follow_their_own_plan() -> None:
 
     def work(i: int) -> list[list[Tensor]]:
         out = []
-        for k in range(6):  # each thread seeds the default generator, so the threads take turns under a lock
-            with LOCK:
+        with LOCK:  # each thread seeds the default generator: the threads take turns, six traversals each
+            for k in range(6):
                 torch.manual_seed(10 * i + k)
                 models[i].apply(wrapped)
                 out.append(values(models[i]))

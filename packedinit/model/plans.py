@@ -42,6 +42,7 @@ from packedinit.torch_compat import module_dict, param_dict, set_grad_enabled
 __all__ = ["plan_visit", "end_plan", "keep_plan"]
 
 _MAX = 1 << 10  # kept plans; all dropped when full
+_APPLY = nn.Module.apply
 
 #: a write of a plan: (parameter, meta, label, the draw torch's function makes on it, or None: call the function)
 _Write = tuple["weakref.ref[Tensor]", tuple[object, ...], str, DirectDraw | None]
@@ -57,7 +58,7 @@ def _node(m: nn.Module, metas: Mapping[int, tuple[object, ...]]) -> _Node:
 
 
 class _Plan:
-    __slots__ = ("head", "mode", "nodes", "order", "root", "was", "writes")
+    __slots__ = ("head", "kinds", "mode", "nodes", "order", "root", "was", "writes")
 
     def __init__(
         self,
@@ -73,6 +74,7 @@ class _Plan:
         self.head, self.mode, self.was = head, mode, was
         self.order = tuple(weakref.ref(m) for m in order)
         self.nodes = tuple(_node(m, metas) for m in order)
+        self.kinds = tuple({type(m): None for m in order})  # each class once: its apply still nn.Module's own
         self.writes = writes
 
     def holds(self, init_fn: Callable[..., Tensor], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
@@ -82,6 +84,7 @@ class _Plan:
             or torch.is_inference_mode_enabled() is not self.mode
             or torch.compiler.is_compiling()
             or call_key(init_fn, args, kwargs) != self.head
+            or any(kind.apply is not _APPLY for kind in self.kinds)
         ):
             return False
         for ref, cls, kids, ids, names, refs, written in self.nodes:
