@@ -170,12 +170,8 @@ def lean_calls(
     inference tensor outside inference mode (:mod:`packedinit.model.kept` compares both before
     it re-uses a decision); rejections become PackedInitError as in :func:`lean_call`.
     """
-    for tensor, param in todo:  # (_lean_write's body, inlined: one call less a tensor on the kept paths)
-        try:
-            fn(tensor, *args, **kwargs)
-        except Exception as e:
-            if not _lean_failed(Request(tensor, None, None, fn, args, kwargs, param), fn, e):
-                raise
+    for tensor, param in todo:
+        _lean_write(tensor, fn, args, kwargs, param)
 
 
 def _lean_write(

@@ -38,7 +38,7 @@ from packedinit.model.changes import NOW
 from packedinit.model.steps import call_key
 from packedinit.torch_compat import module_dict, param_dict
 
-__all__ = ["world", "apply_kept", "keep_apply", "kept_writes", "tree_kept", "keep_tree", "node", "changed"]
+__all__ = ["world", "apply_kept", "keep_apply", "kept_writes", "tree_kept", "keep_tree", "node", "same_node", "changed"]
 
 _T = TypeVar("_T")
 _MAX = 1 << 16  # kept module decisions; all dropped when full
@@ -46,9 +46,8 @@ _Meta: TypeAlias = tuple[object, ...]
 #: a parameter of a kept module: (weakref or None, meta or None, route, label); meta None: not written
 _Own: TypeAlias = "tuple[weakref.ref[Tensor] | None, _Meta | None, int, str]"
 #: a kept module decision: (module, type, ancestors' types, root, call key, inference mode, world, parameter
-#: names), then each parameter's four _Own fields, in one tuple (a visit reads one object, not one per parameter)
-_Visit: TypeAlias = tuple[Any, ...]
-_HEAD = 8  # the fields before the parameters' in a _Visit
+#: names, parameters)
+_Visit: TypeAlias = "tuple[weakref.ref[nn.Module], type, tuple[type, ...], weakref.ref[nn.Module], tuple[object, ...], bool, int, tuple[str, ...], tuple[_Own, ...]]"  # noqa: E501
 #: a module of a kept tree: (module, type, child names, child ids, parameter names, parameter refs, low-dim flags)
 _Node: TypeAlias = "tuple[weakref.ref[nn.Module], type, tuple[str, ...], tuple[int, ...], tuple[str, ...], tuple[weakref.ref[Tensor] | None, ...], tuple[bool, ...]]"  # noqa: E501
 #: a write of a kept tree: (parameter, meta, route, name)
@@ -123,37 +122,48 @@ def apply_kept(
     kept = _APPLY.get(id(module))
     if kept is None:
         return False
-    ref, cls, kinds, root, head, mode, was, names = kept[:_HEAD]
+    ref, cls, kinds, root, head, mode, was, names, params = kept
     own: dict[str, Tensor | None] = param_dict(module)
     if (
         ref() is not module
         or type(module) is not cls
         or NOW[0] != was
         or root() is not (ancestors[-1] if ancestors else module)
-        or len(own) != len(names)
         or (head != (init_fn,) if not args and not kwargs else call_key(init_fn, args, kwargs) != head)
         or (type(ancestors[0]) is not kinds[0] if len(ancestors) == 1 else tuple(map(type, ancestors)) != kinds)
         or torch.is_inference_mode_enabled() is not mode
         or torch.compiler.is_compiling()
     ):
         return False
-    writes: list[tuple[Tensor, str | None]] = []
-    at = _HEAD
-    for (name, p), kname in zip(own.items(), names, strict=True):
+    held = _still_held(own, names, params)
+    if held is None:
+        return False
+    writes = [(p, label) for p, (_, _, how, label) in held if how == TORCH and id(p) not in later]  # (else SKIP:
+    lean_calls(writes, init_fn, args, kwargs)  # a zero-element tensor, nothing to write)
+    return True
+
+
+def _still_held(
+    own: Mapping[str, Tensor | None], names: tuple[str, ...], params: tuple[_Own, ...]
+) -> list[tuple[Tensor, _Own]] | None:
+    """Each written parameter of a kept decision with what was kept of it, where ``own`` (the module's parameters
+    now) still has the same names, the same objects as they were (each part read only while the ones before
+    agree) and every other one under two dims; None: something changed."""
+    if len(own) != len(names):
+        return None
+    held: list[tuple[Tensor, _Own]] = []
+    for (name, p), kname, kept in zip(own.items(), names, params, strict=True):
+        kref, meta = kept[0], kept[1]
         if name != kname:
-            return False
-        kref, meta, how, label = kept[at : at + 4]
-        at += 4
+            return None
         if meta is None:  # not written: still None or under two dims
             if p is not None and p.dim() >= 2:
-                return False
+                return None
             continue
         if p is None or kref is None or changed(p, meta) or p is not kref():
-            return False
-        if how == TORCH and id(p) not in later:  # (else SKIP: a zero-element tensor, nothing to write)
-            writes.append((p, label))
-    lean_calls(writes, init_fn, args, kwargs)
-    return True
+            return None
+        held.append((p, kept))
+    return held
 
 
 def kept_writes(
@@ -164,23 +174,13 @@ def kept_writes(
     kept = _APPLY.get(id(module))
     if kept is None:
         return None
-    ref, cls, _, kroot, khead, kmode, kwas, names = kept[:_HEAD]
-    own: dict[str, Tensor | None] = param_dict(module)
+    ref, cls, _, kroot, khead, kmode, kwas, names, params = kept
     if ref() is not module or type(module) is not cls or kroot() is not root or kwas != was or kmode is not mode:
         return None
-    if khead != head or tuple(own) != names:
+    if khead != head:
         return None
-    out: list[_Own] = []
-    for j, p in enumerate(own.values()):
-        kref, meta, how, label = kept[_HEAD + 4 * j : _HEAD + 4 * j + 4]
-        if meta is None:
-            if p is not None and p.dim() >= 2:
-                return None
-            continue
-        if p is None or kref is None or changed(p, meta) or p is not kref():
-            return None
-        out.append((kref, meta, how, label))
-    return tuple(out)
+    held = _still_held(param_dict(module), names, params)
+    return None if held is None else tuple(kept for _, kept in held)
 
 
 def keep_apply(
@@ -219,7 +219,7 @@ def keep_apply(
         mode,
         was,
         _one(tuple(own)),
-        *(field for one in params for field in one),
+        tuple(params),
     )
 
 
@@ -244,7 +244,12 @@ def same_node(kept: _Node) -> bool:
     if m is None or type(m) is not cls:
         return False
     kids, own = module_dict(m), param_dict(m)
-    if tuple(kids) != names or tuple(map(id, kids.values())) != ids or tuple(own) != pnames:
+    if names:
+        if tuple(kids) != names or tuple(map(id, kids.values())) != ids:
+            return False
+    elif kids:  # (a leaf: nothing to build tuples of)
+        return False
+    if tuple(own) != pnames:
         return False
     for p, r, small in zip(own.values(), prefs, low, strict=True):
         if (p is not None if r is None else r() is not p) or (small and p is not None and p.dim() >= 2):

@@ -33,11 +33,11 @@ from packedinit.engine.direct import DirectDraw, direct_draw
 from packedinit.engine.lean import TORCH, lean_calls
 from packedinit.model import found
 from packedinit.model.changes import NOW
-from packedinit.model.kept import changed, kept_writes, node, world
+from packedinit.model.kept import changed, kept_writes, node, same_node, world
 from packedinit.model.steps import call_key
 from packedinit.model.visits import visit_order
 from packedinit.shapes import fans
-from packedinit.torch_compat import module_dict, param_dict, set_grad_enabled
+from packedinit.torch_compat import param_dict, set_grad_enabled
 
 __all__ = ["plan_visit", "end_plan", "keep_plan"]
 
@@ -48,17 +48,8 @@ _APPLY = nn.Module.apply
 _Write = tuple["weakref.ref[Tensor]", tuple[object, ...], str, DirectDraw | None]
 
 
-#: a module of a plan: (module, type, child names, child ids, parameter names, parameter refs, the meta of each
-#: parameter a kept decision writes, None for the others)
-_Node = tuple[Any, ...]
-
-
-def _node(m: nn.Module, metas: Mapping[int, tuple[object, ...]]) -> _Node:
-    return (*node(m)[:6], tuple(None if p is None else metas.get(id(p)) for p in param_dict(m).values()))
-
-
 class _Plan:
-    __slots__ = ("head", "kinds", "mode", "nodes", "order", "root", "was", "writes")
+    __slots__ = ("head", "kinds", "metas", "mode", "nodes", "order", "root", "was", "writes")
 
     def __init__(
         self,
@@ -68,12 +59,13 @@ class _Plan:
         was: int,
         order: Sequence[nn.Module],
         writes: tuple[tuple[_Write, ...], ...],
-        metas: Mapping[int, tuple[object, ...]],
+        metas: Mapping[int, tuple[weakref.ref[Tensor], tuple[object, ...]]],
     ) -> None:
         self.root = weakref.ref(root)
         self.head, self.mode, self.was = head, mode, was
         self.order = tuple(weakref.ref(m) for m in order)
-        self.nodes = tuple(_node(m, metas) for m in order)
+        self.nodes = tuple(map(node, order))
+        self.metas = tuple(metas.values())  # every weight a kept decision writes, and what it read of it
         self.kinds = tuple({type(m): None for m in order})  # each class once: its apply still nn.Module's own
         self.writes = writes
 
@@ -87,27 +79,16 @@ class _Plan:
             or any(kind.apply is not _APPLY for kind in self.kinds)
         ):
             return False
-        for ref, cls, kids, ids, names, refs, written in self.nodes:
+        if not all(map(same_node, self.nodes)):
+            return False
+        for ref in self.order:  # (same_node compared each type; each class's apply is compared above)
             m = ref()
-            if m is None or type(m) is not cls or "apply" in m.__dict__:  # (the type's apply: compared as the type)
+            if m is None or "apply" in m.__dict__:
                 return False
-            children = module_dict(m)
-            if kids:
-                if tuple(children) != kids or tuple(map(id, children.values())) != ids:
-                    return False
-            elif children:
+        for kref, meta in self.metas:
+            p = kref()
+            if p is None or changed(p, meta):
                 return False
-            own: dict[str, Tensor | None] = param_dict(m)
-            if len(own) != len(names):
-                return False
-            for (name, p), kname, kref, meta in zip(own.items(), names, refs, written, strict=True):
-                if name != kname or (p is not None if kref is None else p is not kref()):
-                    return False
-                if meta is None:  # not written: still under two dims
-                    if p is not None and p.dim() >= 2:
-                        return False
-                elif p is None or changed(p, meta):
-                    return False
         return True
 
 
@@ -212,7 +193,7 @@ def keep_plan(
             if p is not None and p.dim() >= 2:
                 last[id(p)] = i
     writes: list[tuple[_Write, ...]] = []
-    metas: dict[int, tuple[object, ...]] = {}
+    metas: dict[int, tuple[weakref.ref[Tensor], tuple[object, ...]]] = {}
     for i, m in enumerate(order):
         got: tuple[tuple[Any, ...], ...] = ()
         if any(p is not None and p.dim() >= 2 and last[id(p)] == i for p in param_dict(m).values()):
@@ -223,7 +204,7 @@ def keep_plan(
         mine: list[_Write] = []
         for kref, meta, how, label in got:
             p = kref()
-            metas[id(p)] = meta
+            metas[id(p)] = (kref, meta)
             if how == TORCH and last[id(p)] == i:
                 mine.append((kref, meta, label, direct_draw(init_fn, args, kwargs, *fans(p.shape))))
         writes.append(tuple(mine))
