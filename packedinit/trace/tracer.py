@@ -10,10 +10,8 @@ labels are CPU tensors beside the traced tensors, which may be on the meta devic
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,8 +26,7 @@ __all__ = ["Tracer"]
 Entries = tuple[tuple[str, Tensor], ...]  # (weight, label tensor of the weight row of every element)
 
 
-@dataclass(frozen=True)
-class _Ref:
+class _Ref(NamedTuple):
     """A weight, or a view of it, before it reaches a matmul: the storage coordinates of every element."""
 
     name: str
@@ -60,6 +57,12 @@ _ELEMENTWISE = {
 _MATMULS = {"matmul", "__matmul__", "mm", "bmm", *GROUPED_MM_NAMES}
 _SUMS = {"add", "sub", "__add__", "__radd__", "__sub__", "__rsub__", "__iadd__", "__isub__", "add_", "sub_"}
 _MHA = "multi_head_attention_forward"
+_CATS = {"cat", "concat", "concatenate", "stack"}
+#: every op :meth:`Tracer._follow` does something with: any other op of the forward is not followed at all
+_FOLLOWED = frozenset({
+    *_SHAPE_METHODS, *_SAME, *_ELEMENTWISE, *_MATMULS, *_CATS, _MHA, "linear", "addmm", "conv1d", "conv2d",
+    "embedding", "view_as_complex", "view_as_real", "glu",
+})  # fmt: skip
 
 
 def _fname(func: Callable[..., Any]) -> str:
@@ -116,16 +119,20 @@ class Tracer(TorchFunctionMode):
 
     def _tag(self, out: object, entries: Entries) -> None:
         if isinstance(out, Tensor):
-            kept = tuple((w, lab) for w, lab in entries if lab.shape == out.shape)
+            shape = out.shape
+            if len(entries) == 1:  # the common case: one weight's labels, kept as they are
+                if entries[0][1].shape == shape:
+                    self.labels[id(out)] = (out, entries)
+                return
+            kept = tuple((w, lab) for w, lab in entries if lab.shape == shape)
             if kept:
                 self.labels[id(out)] = (out, kept)
 
     def _project(self, out: Tensor, ref: _Ref, feature: int, axis: int, use: str) -> None:
         """``out``'s ``axis`` holds the projection's features: the handed weight view's ``feature`` axis."""
-        rows, cols = self.coords.line(ref.rows, feature), self.coords.line(ref.cols, feature)
         along_rows = ref.rows.stride(feature) != 0 or (ref.rows.shape[feature] == 1 and use == "linear")
         storage = 0 if along_rows else 1
-        labels = rows if along_rows else cols
+        labels = self.coords.line(ref.rows if along_rows else ref.cols, feature)
         w = self.weights.get(ref.name)
         if w is None:
             w = WeightRows(ref.name, ref.size[storage], storage, storage == 1, ref.batch_dims)
@@ -173,14 +180,20 @@ class Tracer(TorchFunctionMode):
 
     def observe(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """Follow one op of the forward that gave ``out`` (as a mode, or told by :func:`~.known.observed`)."""
+        name = _fname(func)
+        if name not in _FOLLOWED or (name == "__get__" and not isinstance(out, Tensor)):
+            return  # an op the tracer reads nothing from (a norm, attention, .shape): not followed
         if not self._touches(args) and not (kwargs and self._touches(kwargs.values())):
             return  # no weight, no view of one, no labelled output among the inputs: nothing to follow
-        # a label we cannot carry through this op: that path is simply not followed
-        with contextlib.suppress(RuntimeError, TypeError, ValueError, IndexError), torch_function_off():
-            self._follow(func, args, kwargs, out)  # plain torch: the modes under this one see the forward only
+        try:
+            with torch_function_off():  # plain torch: the modes under this one see the forward only
+                self._follow(name, func, args, kwargs, out)
+        except (RuntimeError, TypeError, ValueError, IndexError):
+            pass  # a label we cannot carry through this op: that path is simply not followed
 
-    def _follow(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        name = _fname(func)
+    def _follow(
+        self, name: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> None:
         first = args[0] if args else None
         ref = self._ref(first)
         if ref is not None and (name in _REF_VIEWS or name in _SAME):
@@ -199,7 +212,7 @@ class Tracer(TorchFunctionMode):
             if wref is not None:
                 self.embedded.add(wref.name)
             return
-        if name in ("cat", "concat", "concatenate", "stack"):
+        if name in _CATS:
             self._cat(func, args, kwargs, out)
             return
         entries = self._label(first)
@@ -253,7 +266,7 @@ class Tracer(TorchFunctionMode):
                     return  # different weights multiplied (a gate times a value): not followed further
                 mine[weight] = theirs  # projections summed (W_ih x + W_hh h): the sum carries both
                 continue
-            if torch.equal(*compact(theirs, mine[weight])):
+            if theirs is mine[weight] or torch.equal(*compact(theirs, mine[weight])):  # (the same labels: x * f(x))
                 continue
             if name not in _SUMS and self.coords.distinct(theirs) != self.coords.distinct(mine[weight]):
                 return  # different features multiplied (a gate times a value): not followed further
