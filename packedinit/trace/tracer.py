@@ -58,9 +58,10 @@ _MATMULS = {"matmul", "__matmul__", "mm", "bmm", *GROUPED_MM_NAMES}
 _SUMS = {"add", "sub", "__add__", "__radd__", "__sub__", "__rsub__", "__iadd__", "__isub__", "add_", "sub_"}
 _MHA = "multi_head_attention_forward"
 _CATS = {"cat", "concat", "concatenate", "stack"}
+_CONVS = {"conv1d", "conv2d"}
 #: every op :meth:`Tracer._follow` does something with: any other op of the forward is not followed at all
 _FOLLOWED = frozenset({
-    *_SHAPE_METHODS, *_SAME, *_ELEMENTWISE, *_MATMULS, *_CATS, _MHA, "linear", "addmm", "conv1d", "conv2d",
+    *_SHAPE_METHODS, *_SAME, *_ELEMENTWISE, *_MATMULS, *_CATS, *_CONVS, _MHA, "linear", "addmm",
     "embedding", "view_as_complex", "view_as_real", "glu",
 })  # fmt: skip
 
@@ -204,7 +205,7 @@ class Tracer(TorchFunctionMode):
             return
         if isinstance(out, Tensor) and self._matmul(name, args, out):
             return
-        if name in ("conv1d", "conv2d") and isinstance(out, Tensor):
+        if name in _CONVS and isinstance(out, Tensor):
             self._conv(args, kwargs, out)
             return
         if name == "embedding" and len(args) >= 2:
@@ -213,7 +214,7 @@ class Tracer(TorchFunctionMode):
                 self.embedded.add(wref.name)
             return
         if name in _CATS:
-            self._cat(func, args, kwargs, out)
+            self._cat(name, func, args, kwargs, out)
             return
         entries = self._label(first)
         if not entries:
@@ -360,7 +361,9 @@ class Tracer(TorchFunctionMode):
             chans = tuple((w, along(out, 1, lab.movedim(1, 0).reshape(out.shape[1], -1)[:, 0])) for w, lab in entries)
             self._tag(out, chans)
 
-    def _cat(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    def _cat(
+        self, name: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> None:
         tensors = args[0] if args else kwargs.get("tensors", ())
         labs = [self._label(t) for t in tensors]
         by_weight: dict[str, set[int]] = {}
@@ -376,7 +379,7 @@ class Tracer(TorchFunctionMode):
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         parts = [e[0][1] for e in labs]
         weight = next(iter(by_weight))
-        if _fname(func) == "stack":  # rotate_every_two stacks (-x2, x1)
+        if name == "stack":  # rotate_every_two stacks (-x2, x1)
             self._tag(out, ((weight, torch.stack(parts, dim)),))
             return
         at = dim % parts[0].dim()  # keep the dims all parts repeat along (batch, sequence) repeated, not copied
